@@ -1,0 +1,57 @@
+"""mirrored: TensorFlow's distribution strategies for PyTorch.
+
+Write a single-device training step; ``MirroredStrategy`` runs it on every local device with the
+single-device result on the global batch.
+"""
+
+from __future__ import annotations
+
+from mirrored import config
+from mirrored.context import (
+    ReplicaContext,
+    get_replica_context,
+    get_strategy,
+    has_strategy,
+    in_cross_replica_context,
+)
+from mirrored.cross_device_ops import (
+    CrossDeviceOps,
+    HierarchicalCopyAllReduce,
+    NcclAllReduce,
+    ReductionToOneDevice,
+)
+from mirrored.input import DistributedDataset, InputContext, ValueContext
+from mirrored.losses import compute_average_loss
+from mirrored.mirror import MirroredModule, MirroredOptimizer
+from mirrored.mirrored_strategy import MirroredStrategy
+from mirrored.rendezvous import ReplicaAbortedError, SyncMismatchError, SyncTimeoutError
+from mirrored.strategy import Strategy
+from mirrored.values import PerReplica, ReduceOp
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CrossDeviceOps",
+    "DistributedDataset",
+    "HierarchicalCopyAllReduce",
+    "InputContext",
+    "MirroredModule",
+    "MirroredOptimizer",
+    "MirroredStrategy",
+    "NcclAllReduce",
+    "PerReplica",
+    "ReduceOp",
+    "ReductionToOneDevice",
+    "ReplicaAbortedError",
+    "ReplicaContext",
+    "Strategy",
+    "SyncMismatchError",
+    "SyncTimeoutError",
+    "ValueContext",
+    "compute_average_loss",
+    "config",
+    "get_replica_context",
+    "get_strategy",
+    "has_strategy",
+    "in_cross_replica_context",
+]

@@ -1,0 +1,196 @@
+"""Which strategy is current, and which replica this thread is: thread-local state.
+
+Three situations, as in TensorFlow:
+- outside any ``strategy.scope()``: the default strategy, in its one default replica context;
+- inside a scope, outside ``strategy.run``: cross-replica context (``get_replica_context()`` is
+  None);
+- inside ``strategy.run``: a replica context on the replica's worker thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from mirrored.values import ReduceOp, flatten, map_structure, regroup, select_replica
+
+if TYPE_CHECKING:
+    from mirrored.rendezvous import ReplicaExchange
+    from mirrored.strategy import Strategy
+
+__all__ = [
+    "ReplicaContext",
+    "get_replica_context",
+    "get_strategy",
+    "has_strategy",
+    "in_cross_replica_context",
+]
+
+
+class _State(threading.local):
+    def __init__(self) -> None:
+        self.strategy_stack: list[Strategy] = []
+        self.replica_context: ReplicaContext | None = None
+        self.in_merge = False
+
+
+_state = _State()
+
+
+class ReplicaContext:
+    """What a replica function knows about itself and how it talks to its peers."""
+
+    def __init__(
+        self,
+        strategy: Strategy,
+        replica_id: int,
+        exchange: ReplicaExchange,
+        global_batch_size: int | None = None,
+    ) -> None:
+        self.strategy = strategy
+        self.replica_id_in_sync_group = replica_id
+        self.exchange = exchange
+        self.global_batch_size = global_batch_size
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return self.strategy.num_replicas_in_sync
+
+    @property
+    def device(self) -> torch.device:
+        return self.exchange.device
+
+    def all_reduce(self, reduce_op: ReduceOp | str, value: Any) -> Any:
+        """Reduce a nested structure of tensors (or numbers) across replicas; every replica
+        receives the result on its own device. Not differentiable."""
+        op = ReduceOp.of(reduce_op)
+        if self.num_replicas_in_sync == 1:
+            return value
+        leaves = flatten(value)
+        tensors = [torch.as_tensor(v, device=self.device) for v in leaves]
+        reduced = iter(self.strategy.all_reduce_tensors(self, op, tensors))
+        results = [next(reduced) if isinstance(v, torch.Tensor) else next(reduced).item()
+                   for v in leaves]
+        it = iter(results)
+        return map_structure(lambda _: next(it), value)
+
+    def all_gather(self, value: Any, axis: int) -> Any:
+        """Concatenate each tensor of a nested structure along ``axis`` across replicas,
+        in replica order; shards may differ in size along ``axis``."""
+        leaves = [torch.as_tensor(v) for v in flatten(value)]
+        if self.num_replicas_in_sync == 1:
+            return value
+        everyone = self.exchange.all("all_gather", leaves)
+        gathered = [
+            torch.cat([peer[i].to(self.device) for peer in everyone], dim=axis)
+            for i in range(len(leaves))
+        ]
+        it = iter(gathered)
+        return map_structure(lambda _: next(it), value)
+
+    def merge_call(
+        self,
+        merge_fn: Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        """Run ``merge_fn(strategy, *args, **kwargs)`` once, in cross-replica context, with the
+        arguments of all replicas grouped into PerReplica values; each replica gets the result
+        (its own part, where the result is PerReplica)."""
+        label = f"merge_call({getattr(merge_fn, '__qualname__', repr(merge_fn))})"
+        everyone = self.exchange.all(label, (args, kwargs or {}))
+        result = None
+        if self.replica_id_in_sync_group == 0:
+            grouped_args, grouped_kwargs = regroup(everyone)
+            try:
+                with _merge_scope():
+                    result = merge_fn(self.strategy, *grouped_args, **grouped_kwargs)
+            except BaseException as error:
+                self.exchange.rendezvous.abort(error)
+                raise
+        result = self.exchange.all(label + " result", result)[0]
+        return select_replica(self.replica_id_in_sync_group, result)
+
+
+@contextmanager
+def _merge_scope() -> Iterator[None]:
+    previous = _state.in_merge
+    _state.in_merge = True
+    try:
+        yield
+    finally:
+        _state.in_merge = previous
+
+
+@contextmanager
+def replica_scope(context: ReplicaContext) -> Iterator[None]:
+    """Enter a replica context on this thread (used by strategies around the replica function)."""
+    previous = _state.replica_context
+    _state.replica_context = context
+    try:
+        yield
+    finally:
+        _state.replica_context = previous
+
+
+@contextmanager
+def strategy_scope(strategy: Strategy) -> Iterator[None]:
+    """Make ``strategy`` current on this thread; mixing two strategies is an error."""
+    stack = _state.strategy_stack
+    if stack and stack[-1] is not strategy:
+        raise RuntimeError(
+            f"cannot enter the scope of {type(strategy).__name__} inside the scope of another "
+            f"strategy ({type(stack[-1]).__name__}); leave that scope first"
+        )
+    stack.append(strategy)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def current_replica_context() -> ReplicaContext | None:
+    """The replica context of this thread while a replica function runs, else None."""
+    return None if _state.in_merge else _state.replica_context
+
+
+def get_strategy() -> Strategy:
+    """The current strategy: the one running this replica, the one whose scope we are in, or
+    the default one-device strategy."""
+    if _state.replica_context is not None:
+        return _state.replica_context.strategy
+    if _state.strategy_stack:
+        return _state.strategy_stack[-1]
+    from mirrored.strategy import default_strategy
+
+    return default_strategy()
+
+
+def has_strategy() -> bool:
+    """True inside a (non-default) strategy's scope or replica function."""
+    return _state.replica_context is not None or bool(_state.strategy_stack)
+
+
+def in_cross_replica_context() -> bool:
+    """True inside a strategy scope but outside any replica function (or inside a merge call)."""
+    if _state.in_merge:
+        return True
+    return _state.replica_context is None and bool(_state.strategy_stack)
+
+
+def get_replica_context() -> ReplicaContext | None:
+    """This thread's replica context; None in cross-replica context; the default strategy's
+    replica context outside any scope."""
+    if _state.in_merge:
+        return None
+    if _state.replica_context is not None:
+        return _state.replica_context
+    if _state.strategy_stack:
+        return None
+    from mirrored.strategy import default_strategy
+
+    return default_strategy().default_replica_context()

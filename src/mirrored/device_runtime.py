@@ -1,0 +1,80 @@
+"""What a replica's worker thread sets up on its logical device.
+
+- CPU: the replica's share of the intra-op threads (logical CPU devices share the cores).
+- CUDA: the physical device, the logical device's own stream, and, with a ``memory_limit``, its
+  own memory pool, whose use is checked after each step (an out-of-memory error names the logical
+  device); the process is capped at the sum of the limits of a GPU's logical devices.
+  Allocations the autograd engine makes on its own device thread (most of backward) land in the
+  shared pool and are bounded by that process cap only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+
+import torch
+
+from mirrored.config import LogicalDevice, list_logical_devices
+
+__all__ = ["ReplicaDeviceRuntime", "cap_process_memory"]
+
+_MIB = 1 << 20
+
+
+class ReplicaDeviceRuntime:
+    """Per-replica device state, created on the caller's thread, entered on the worker's."""
+
+    def __init__(self, device: LogicalDevice, num_threads: int) -> None:
+        self.device = device
+        self.num_threads = num_threads
+        self.stream: torch.cuda.Stream | None = None
+        self.pool: torch.cuda.MemPool | None = None
+        if device.device_type == "GPU":
+            self.stream = torch.cuda.Stream(device=device.torch_device)
+            if device.memory_limit is not None:
+                self.pool = torch.cuda.MemPool()
+
+    def enter_thread(self) -> None:
+        """Once, on the worker thread: thread count and current CUDA device are per thread."""
+        torch.set_num_threads(self.num_threads)
+        if self.stream is not None:
+            torch.cuda.set_device(self.device.torch_device)
+
+    @contextmanager
+    def task_scope(self) -> Iterator[None]:
+        """Around each replica task: the stream and memory pool, then the memory check."""
+        if self.stream is None:
+            yield
+            return
+        with ExitStack() as stack:
+            stack.enter_context(torch.cuda.stream(self.stream))
+            if self.pool is not None:
+                stack.enter_context(torch.cuda.use_mem_pool(self.pool, self.device.torch_device))
+            yield
+        self.check_memory()
+
+    def check_memory(self) -> None:
+        if self.pool is None or self.device.memory_limit is None:
+            return
+        used = sum(segment["allocated_size"] for segment in self.pool.snapshot())
+        if used > self.device.memory_limit * _MIB:
+            raise torch.OutOfMemoryError(
+                f"logical device {self.device.short_name} (slot {self.device.slot} of "
+                f"{self.device.physical.name}) holds {used / _MIB:.1f} MiB, over its "
+                f"memory_limit of {self.device.memory_limit} MiB; use a smaller per-replica "
+                "batch or a larger memory_limit"
+            )
+
+
+def cap_process_memory(devices: Sequence[LogicalDevice]) -> None:
+    """Cap this process on each GPU used by ``devices`` at the sum of the memory limits of that
+    GPU's logical devices, when every one of them has a limit."""
+    for physical in {d.physical for d in devices if d.device_type == "GPU"}:
+        slices = [d for d in list_logical_devices("GPU") if d.physical == physical]
+        limits = [d.memory_limit for d in slices]
+        if any(limit is None for limit in limits):
+            continue
+        total = torch.cuda.get_device_properties(physical.index).total_memory
+        fraction = min(1.0, sum(limit or 0 for limit in limits) * _MIB / total)
+        torch.cuda.set_per_process_memory_fraction(fraction, physical.index)

@@ -1,0 +1,167 @@
+"""Distributing input: global batches split into per-replica shards.
+
+A global batch of B examples is split along dim 0 into shards that differ by at most one example
+(larger shards first); a batch smaller than the replica count gives empty shards, which contribute
+zero gradient. No example is dropped or counted twice. Each shard is a ``PerReplicaShards`` that
+remembers the global batch size, so ``compute_average_loss`` divides by it even for the ragged
+last batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from mirrored.values import PerReplica, flatten, map_structure
+
+__all__ = [
+    "DistributedDataset",
+    "InputContext",
+    "PerReplicaShards",
+    "ValueContext",
+    "shard_sizes",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class InputContext:
+    """What an input pipeline needs to know to produce its part of the data (TensorFlow's)."""
+
+    num_input_pipelines: int = 1
+    input_pipeline_id: int = 0
+    num_replicas_in_sync: int = 1
+
+    def get_per_replica_batch_size(self, global_batch_size: int) -> int:
+        if global_batch_size % self.num_replicas_in_sync:
+            raise ValueError(
+                f"global_batch_size={global_batch_size} is not divisible by "
+                f"num_replicas_in_sync={self.num_replicas_in_sync}"
+            )
+        return global_batch_size // self.num_replicas_in_sync
+
+
+@dataclasses.dataclass(frozen=True)
+class ValueContext:
+    """Passed to ``experimental_distribute_values_from_function``'s function."""
+
+    replica_id_in_sync_group: int = 0
+    num_replicas_in_sync: int = 1
+
+
+class PerReplicaShards(PerReplica):
+    """The shards of one tensor of a global batch, with the global batch size."""
+
+    __slots__ = ("global_batch_size",)
+
+    def __init__(self, values: Sequence[Any], global_batch_size: int) -> None:
+        super().__init__(values)
+        self.global_batch_size = global_batch_size
+
+
+def shard_sizes(batch_size: int, num_shards: int) -> list[int]:
+    """Split ``batch_size`` into ``num_shards`` sizes differing by at most one, larger first."""
+    base, extra = divmod(batch_size, num_shards)
+    return [base + (1 if i < extra else 0) for i in range(num_shards)]
+
+
+def _as_tensor(leaf: Any) -> Any:
+    return torch.from_numpy(leaf) if isinstance(leaf, np.ndarray) else leaf
+
+
+def batch_size_of(batch: Any) -> int:
+    """Dim 0 of the tensors of a batch; they must all agree."""
+    sizes = {t.shape[0] for t in flatten(batch) if isinstance(t, torch.Tensor) and t.dim() > 0}
+    if len(sizes) != 1:
+        raise ValueError(
+            "a batch must hold tensors with one common first (batch) dimension; got "
+            f"{sorted(sizes) if sizes else 'no batched tensor'}"
+        )
+    return sizes.pop()
+
+
+def split_batch(batch: Any, devices: Sequence[torch.device]) -> Any:
+    """One global batch -> the same structure with ``PerReplicaShards`` leaves on ``devices``."""
+    batch = map_structure(_as_tensor, batch)
+    global_batch_size = batch_size_of(batch)
+    sizes = shard_sizes(global_batch_size, len(devices))
+
+    def split(leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0:
+            return leaf
+        shards = torch.split(leaf, sizes)
+        return PerReplicaShards(
+            [s.to(d, non_blocking=True) for s, d in zip(shards, devices, strict=True)],
+            global_batch_size,
+        )
+
+    return map_structure(split, batch)
+
+
+def stack_replica_batches(batches: Sequence[Any], devices: Sequence[torch.device]) -> Any:
+    """Per-replica batches (one per replica, missing ones at the end) -> PerReplicaShards leaves.
+
+    Replicas without a batch get empty shards shaped like the last batch's.
+    """
+    batches = [map_structure(_as_tensor, b) for b in batches]
+    global_batch_size = sum(batch_size_of(b) for b in batches)
+    last = batches[-1]
+    padded = list(batches) + [
+        map_structure(lambda t: t[:0] if isinstance(t, torch.Tensor) and t.dim() else t, last)
+    ] * (len(devices) - len(batches))
+
+    def combine(*leaves: Any) -> Any:
+        if not isinstance(leaves[0], torch.Tensor) or leaves[0].dim() == 0:
+            return leaves[0]
+        return PerReplicaShards(
+            [t.to(d, non_blocking=True) for t, d in zip(leaves, devices, strict=True)],
+            global_batch_size,
+        )
+
+    return map_structure(combine, *padded)
+
+
+class DistributedDataset:
+    """An iterable of distributed batches; iterate it once per epoch like the dataset it wraps."""
+
+    def __init__(self, make_batches: Callable[[], Iterator[Any]]) -> None:
+        self._make_batches = make_batches
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._make_batches()
+
+
+def distribute_global_batches(
+    dataset: Iterable[Any], devices: Sequence[torch.device]
+) -> DistributedDataset:
+    def batches() -> Iterator[Any]:
+        for batch in dataset:
+            yield split_batch(batch, devices)
+
+    return DistributedDataset(batches)
+
+
+def distribute_replica_batches(
+    datasets: Sequence[Iterable[Any]], devices: Sequence[torch.device]
+) -> DistributedDataset:
+    """Input pipelines yielding per-replica batches; each step takes one batch per replica,
+    dealt round-robin over the pipelines."""
+
+    def batches() -> Iterator[Any]:
+        iterators = [iter(d) for d in datasets]
+        exhausted = False
+        while not exhausted:
+            step: list[Any] = []
+            for replica in range(len(devices)):
+                try:
+                    step.append(next(iterators[replica % len(iterators)]))
+                except StopIteration:
+                    exhausted = True
+                    break
+            if step:
+                yield stack_replica_batches(step, devices)
+
+    return DistributedDataset(batches)

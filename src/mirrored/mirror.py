@@ -1,0 +1,255 @@
+"""Mirroring a PyTorch module and its optimizer: one replica per device, kept identical.
+
+``strategy.mirror(model, optimizer)`` returns proxies. Inside ``strategy.run`` they resolve to the
+current replica; outside, to replica 0 (the user's original module, moved to the first device).
+``optimizer.step()`` inside a replica is the merge point of a step: the gradients of all replicas
+are summed (packed into buckets, see :mod:`mirrored.cross_device_ops`) and every replica applies
+the same update with its own optimizer, so the replicas never diverge.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from mirrored.batch_norm import convert_sync_batch_norm, running_stat_buffers
+from mirrored.bucketing import PackedTensors
+from mirrored.context import ReplicaContext, current_replica_context
+from mirrored.values import ReduceOp
+
+if TYPE_CHECKING:
+    from mirrored.strategy import Strategy
+
+__all__ = ["MirroredModule", "MirroredOptimizer", "mirror_module"]
+
+
+def _replica_context_of(strategy: Strategy) -> ReplicaContext | None:
+    replica = current_replica_context()
+    return replica if replica is not None and replica.strategy is strategy else None
+
+
+class MirroredModule:
+    """One replica of a module per device of a strategy; calls go to the current replica."""
+
+    def __init__(self, strategy: Strategy, replicas: Sequence[nn.Module]) -> None:
+        object.__setattr__(self, "_strategy", strategy)
+        object.__setattr__(self, "replicas", tuple(replicas))
+
+    def _current(self) -> nn.Module:
+        replica = _replica_context_of(self._strategy)
+        return self.replicas[0 if replica is None else replica.replica_id_in_sync_group]
+
+    @property
+    def module(self) -> nn.Module:
+        """Replica 0: the original module."""
+        return self.replicas[0]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._current()(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._current(), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(
+            f"cannot set {name!r} on a mirrored module (it stands for {len(self.replicas)} "
+            "replicas); set it on the module before strategy.mirror(), or on each of .replicas"
+        )
+
+    def __repr__(self) -> str:
+        return f"MirroredModule(replicas={len(self.replicas)}, module={self.replicas[0]!r})"
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The plain single-model state (replica 0's; all replicas are identical)."""
+        return self.replicas[0].state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> Any:
+        """Load the same state into every replica."""
+        results = [r.load_state_dict(state_dict, strict=strict) for r in self.replicas]
+        return results[0]
+
+    def train(self, mode: bool = True) -> MirroredModule:
+        for replica in self.replicas:
+            replica.train(mode)
+        return self
+
+    def eval(self) -> MirroredModule:
+        return self.train(False)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The current replica's gradients inside ``strategy.run``, every replica's outside."""
+        replica = _replica_context_of(self._strategy)
+        targets = self.replicas if replica is None else [self._current()]
+        for module in targets:
+            module.zero_grad(set_to_none=set_to_none)
+
+
+class MirroredOptimizer:
+    """One optimizer per replica; ``step()`` inside a replica all-reduces, then updates."""
+
+    def __init__(
+        self,
+        strategy: Strategy,
+        optimizers: Sequence[torch.optim.Optimizer],
+        params: Sequence[Sequence[nn.Parameter]],
+        running_stats: Sequence[Sequence[torch.Tensor]],
+    ) -> None:
+        self._strategy = strategy
+        self.optimizers = tuple(optimizers)
+        self._params = [list(p) for p in params]
+        self._running_stats = [list(b) for b in running_stats]
+        self._packed: list[dict[tuple[bool, ...], PackedTensors]] = [{} for _ in optimizers]
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """Replica 0's optimizer: the original one; its hyperparameters drive every replica."""
+        return self.optimizers[0]
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizers[0].param_groups
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizers[0].defaults
+
+    def __repr__(self) -> str:
+        return f"MirroredOptimizer(replicas={len(self.optimizers)}, optimizer={self.optimizer!r})"
+
+    def step(self, closure: Any = None) -> Any:
+        """All-reduce (sum) the gradients of every replica, then update every replica.
+
+        Call it inside ``strategy.run``, on every replica, once per step.
+        """
+        if closure is not None:
+            raise TypeError(
+                "optimizer.step(closure) is not supported on a mirrored optimizer: the closure "
+                "would re-run forward/backward outside the synchronised step"
+            )
+        replica = _replica_context_of(self._strategy)
+        if replica is None:
+            raise RuntimeError(
+                "optimizer.step() of a mirrored optimizer must be called inside strategy.run(), "
+                "where the gradients of all replicas can be all-reduced"
+            )
+        replica_id = replica.replica_id_in_sync_group
+        self._all_reduce_gradients(replica)
+        if self._running_stats[replica_id]:
+            self._average_running_stats(replica)
+        optimizer = self.optimizers[replica_id]
+        if replica_id:
+            for group, primary in zip(optimizer.param_groups, self.param_groups, strict=True):
+                group.update({k: v for k, v in primary.items() if k != "params"})
+        return optimizer.step()
+
+    def _all_reduce_gradients(self, replica: ReplicaContext) -> None:
+        replica_id = replica.replica_id_in_sync_group
+        params = self._params[replica_id]
+        grads = [p.grad for p in params]
+        for p, g in zip(params, grads, strict=True):
+            if g is not None and g.is_sparse:
+                raise TypeError(
+                    f"a parameter of shape {tuple(p.shape)} has a sparse gradient; mirrored "
+                    "all-reduces dense gradients only (use nn.Embedding(sparse=False))"
+                )
+        has_grad = tuple(g is not None for g in grads)
+        everyone = replica.exchange.all("optimizer.step", has_grad)
+        reduced = tuple(any(flags) for flags in zip(*everyone, strict=True))
+        indices = [i for i, flag in enumerate(reduced) if flag]
+        if not indices:
+            return
+        packed = self._packed[replica_id].get(reduced)
+        if packed is None:
+            tensors = [params[i] for i in indices]
+            plan = self._strategy.cross_device_ops.plan(tensors)
+            packed = PackedTensors(plan, [t.shape for t in tensors], replica.device)
+            self._packed[replica_id][reduced] = packed
+        packed.pack([grads[i] for i in indices])
+        for buffer in packed.buffers:
+            self._strategy.cross_device_ops.all_reduce(replica.exchange, buffer, ReduceOp.SUM)
+        for i, view in zip(indices, packed.unpacked(), strict=True):
+            params[i].grad = view
+
+    def _average_running_stats(self, replica: ReplicaContext) -> None:
+        """BatchNorm running statistics stay identical: their mean over replicas (TensorFlow)."""
+        buffers = self._running_stats[replica.replica_id_in_sync_group]
+        averaged = replica.strategy.all_reduce_tensors(replica, ReduceOp.MEAN, buffers)
+        with torch.no_grad():
+            for buffer, value in zip(buffers, averaged, strict=True):
+                buffer.copy_(value)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The current replica's gradients inside ``strategy.run``, every replica's outside."""
+        replica = _replica_context_of(self._strategy)
+        targets = (
+            self.optimizers if replica is None else [self.optimizers[replica.replica_id_in_sync_group]]
+        )
+        for optimizer in targets:
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The plain single-optimizer state (replica 0's; all replicas are identical)."""
+        return self.optimizers[0].state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load the same state into every replica's optimizer (moved to its device)."""
+        for optimizer in self.optimizers:
+            optimizer.load_state_dict(state_dict)
+
+
+def _replicate_optimizer(
+    optimizer: torch.optim.Optimizer, mapping: dict[int, nn.Parameter]
+) -> torch.optim.Optimizer:
+    """A copy of ``optimizer`` over other parameters (``mapping``: id of original -> new)."""
+    memo: dict[int, Any] = dict(mapping)
+    replica = copy.deepcopy(optimizer, memo)
+    # An LR scheduler wraps the original's bound step() in an instance attribute; the copy must
+    # use its own class method, not the original's.
+    replica.__dict__.pop("step", None)
+    replica.load_state_dict(optimizer.state_dict())
+    return replica
+
+
+def mirror_module(
+    strategy: Strategy,
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    sync_batch_norm: bool,
+) -> Any:
+    """Build the replicas of ``module`` (and ``optimizer``) on ``strategy``'s devices."""
+    if isinstance(module, MirroredModule):
+        raise TypeError("module is already mirrored; pass the original nn.Module")
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module={type(module).__name__}: expected a torch.nn.Module")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer={type(optimizer).__name__}: expected a torch.optim.Optimizer")
+    params = list(module.parameters())
+    if optimizer is not None:
+        owned = {id(p) for p in params}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in owned:
+                    raise ValueError(
+                        f"the optimizer holds a parameter of shape {tuple(p.shape)} that is not in "
+                        "the module; build the optimizer on model.parameters()"
+                    )
+    if sync_batch_norm:
+        module = convert_sync_batch_norm(module, strategy)
+    devices = strategy.torch_devices
+    first = module.to(devices[0])
+    replicas = [first] + [copy.deepcopy(first).to(d) for d in devices[1:]]
+    mirrored = MirroredModule(strategy, replicas)
+    if optimizer is None:
+        return mirrored
+    replica_params = [list(r.parameters()) for r in replicas]
+    optimizers = [optimizer] + [
+        _replicate_optimizer(optimizer, {id(p): q for p, q in zip(params, rp, strict=True)})
+        for rp in replica_params[1:]
+    ]
+    running = [running_stat_buffers(r) for r in replicas]
+    return mirrored, MirroredOptimizer(strategy, optimizers, replica_params, running)

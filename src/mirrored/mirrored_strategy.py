@@ -1,0 +1,95 @@
+"""MirroredStrategy: one process, one replica per local device, one worker thread per replica."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from mirrored import config
+from mirrored.config import DeviceSpec, LogicalDevice
+from mirrored.cross_device_ops import CrossDeviceOps, choose_cross_device_ops
+from mirrored.device_runtime import ReplicaDeviceRuntime, cap_process_memory
+from mirrored.randomness import ReplicaRandomness
+from mirrored.rendezvous import Rendezvous, SyncTimeoutError
+from mirrored.replica_workers import Outcome, ReplicaWorkers
+from mirrored.strategy import Strategy
+
+__all__ = ["MirroredStrategy"]
+
+
+def default_devices() -> list[LogicalDevice]:
+    """All logical GPUs when there are any, else all logical CPU devices."""
+    return config.list_logical_devices("GPU") or config.list_logical_devices("CPU")
+
+
+class MirroredStrategy(Strategy):
+    """Synchronous data parallelism over the devices of one process.
+
+    Args:
+        devices: device names ("cpu:0", "/gpu:1", torch.device...) or None for all local GPUs
+            (or all logical CPU devices when there is no GPU).
+        cross_device_ops: the all-reduce algorithm; by default NcclAllReduce across distinct
+            GPUs and HierarchicalCopyAllReduce otherwise.
+        timeout_seconds: how long replicas wait for each other at a sync point before failing
+            with an error naming the missing replica (None: forever).
+    """
+
+    def __init__(
+        self,
+        devices: Sequence[DeviceSpec | LogicalDevice] | None = None,
+        cross_device_ops: CrossDeviceOps | None = None,
+        *,
+        timeout_seconds: float | None = 1800.0,
+    ) -> None:
+        logical = config.resolve_devices(devices) if devices is not None else default_devices()
+        if cross_device_ops is not None and not isinstance(cross_device_ops, CrossDeviceOps):
+            raise TypeError(
+                f"cross_device_ops={cross_device_ops!r}: expected a mirrored.CrossDeviceOps "
+                "such as HierarchicalCopyAllReduce() or ReductionToOneDevice()"
+            )
+        ops = cross_device_ops or choose_cross_device_ops(logical)
+        ops.validate(logical)
+        super().__init__(logical, ops, timeout_seconds)
+        config.mark_in_use(logical)
+        cap_process_memory(logical)
+
+        cpu_replicas = sum(1 for d in logical if d.device_type == "CPU") or 1
+        threads = max(1, torch.get_num_threads() // cpu_replicas)
+        self._runtimes = [ReplicaDeviceRuntime(d, threads) for d in logical]
+        self._randomness = [
+            ReplicaRandomness(i, d.torch_device) for i, d in enumerate(logical)
+        ]
+        self._workers = ReplicaWorkers(
+            [d.short_name for d in logical], [r.enter_thread for r in self._runtimes]
+        )
+        # Stop the threads when the strategy is collected without close().
+        self._finalizer = weakref.finalize(self, self._workers.close, False)
+
+    def _execute(self, tasks: Sequence[Callable[[], Any]], rendezvous: Rendezvous) -> list[Outcome]:
+        for randomness in self._randomness:
+            randomness.reseed_if_needed()
+
+        def straggler_error(stuck: list[int]) -> BaseException:
+            names = [self.devices[i].short_name for i in stuck]
+            error = SyncTimeoutError(
+                f"replica(s) {stuck} on {names} did not finish within {self.timeout_seconds} s "
+                "of the others; they are stuck in the replica function outside any sync point"
+            )
+            rendezvous.abort(error)
+            return error
+
+        return self._workers.run(tasks, self.timeout_seconds, straggler_error)
+
+    @contextmanager
+    def _replica_scope(self, replica_id: int) -> Iterator[None]:
+        with self._runtimes[replica_id].task_scope(), self._randomness[replica_id]:
+            yield
+
+    def close(self) -> None:
+        """Stop the worker threads; the strategy cannot run afterwards."""
+        if self._finalizer.detach() is not None:
+            self._workers.close(wait=True)

@@ -1,0 +1,156 @@
+"""Where the replica threads of one ``strategy.run`` meet to exchange values.
+
+Every sync point (an all-reduce, a merge call, ``optimizer.step``) is one ``exchange``: each
+replica posts a value and receives the list of all replicas' values. The rendezvous is what makes
+a multi-replica step impossible to hang:
+
+- a replica that fails aborts the rendezvous, releasing every replica waiting at a sync point;
+- replicas that meet at different sync points (one in ``optimizer.step``, one in ``all_reduce``),
+  or that make a different number of sync calls, get a ``SyncMismatchError`` naming both;
+- a replica that never arrives makes the others fail after ``timeout_seconds``, naming it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import torch
+
+__all__ = ["ReplicaAbortedError", "Rendezvous", "ReplicaExchange", "SyncMismatchError"]
+
+
+class SyncMismatchError(RuntimeError):
+    """Replicas reached different sync points: the replica function is not the same on all."""
+
+
+class ReplicaAbortedError(RuntimeError):
+    """Raised in a replica that was released because another replica failed."""
+
+
+class SyncTimeoutError(TimeoutError):
+    """A replica did not reach a sync point in time."""
+
+
+class Rendezvous:
+    """The meeting point of ``num_replicas`` threads for the duration of one run."""
+
+    def __init__(self, num_replicas: int, timeout_seconds: float | None) -> None:
+        self.num_replicas = num_replicas
+        self.timeout_seconds = timeout_seconds
+        self._cond = threading.Condition()
+        self._posted: dict[int, tuple[str, Any]] = {}
+        self._generation = 0
+        self._last_values: list[Any] = []
+        self._sync_counts = [0] * num_replicas
+        self._finished: set[int] = set()
+        self.abort_reason: BaseException | None = None
+
+    def exchange(self, replica_id: int, label: str, value: Any) -> list[Any]:
+        """Post ``value`` at the sync point ``label``; return every replica's value, in order."""
+        if self.num_replicas == 1:
+            return [value]
+        with self._cond:
+            self._raise_if_aborted()
+            if self._finished:
+                self._abort_locked(self._mismatch_error(waiting=replica_id, label=label))
+                self._raise_if_aborted()
+            generation = self._generation
+            self._posted[replica_id] = (label, value)
+            self._sync_counts[replica_id] += 1
+            if len(self._posted) == self.num_replicas:
+                labels = {rid: posted[0] for rid, posted in self._posted.items()}
+                if len(set(labels.values())) > 1:
+                    detail = ", ".join(f"replica {r} at {lbl!r}" for r, lbl in sorted(labels.items()))
+                    self._abort_locked(
+                        SyncMismatchError(
+                            f"replicas reached different sync points ({detail}); every replica "
+                            "must call the same collectives in the same order"
+                        )
+                    )
+                    self._raise_if_aborted()
+                self._last_values = [self._posted[r][1] for r in range(self.num_replicas)]
+                self._posted = {}
+                self._generation += 1
+                self._cond.notify_all()
+                return self._last_values
+            deadline = None if self.timeout_seconds is None else time.monotonic() + self.timeout_seconds
+            while self._generation == generation and self.abort_reason is None:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    missing = sorted(set(range(self.num_replicas)) - set(self._posted))
+                    self._abort_locked(
+                        SyncTimeoutError(
+                            f"replica(s) {missing} did not reach sync point {label!r} within "
+                            f"{self.timeout_seconds} s; replica(s) {sorted(self._posted)} waited"
+                        )
+                    )
+                    break
+                self._cond.wait(remaining)
+            self._raise_if_aborted()
+            return self._last_values
+
+    def finish(self, replica_id: int) -> None:
+        """Record that a replica's function returned; others still waiting can never be met."""
+        if self.num_replicas == 1:
+            return
+        with self._cond:
+            self._finished.add(replica_id)
+            if self._posted and self.abort_reason is None:
+                waiting = min(self._posted)
+                self._abort_locked(self._mismatch_error(waiting, self._posted[waiting][0]))
+
+    def abort(self, reason: BaseException) -> None:
+        """Release every waiting replica; the first reason wins."""
+        with self._cond:
+            self._abort_locked(reason)
+
+    def _abort_locked(self, reason: BaseException) -> None:
+        if self.abort_reason is None:
+            self.abort_reason = reason
+        self._cond.notify_all()
+
+    def _raise_if_aborted(self) -> None:
+        if self.abort_reason is not None:
+            raise ReplicaAbortedError("released because another replica failed") from (
+                self.abort_reason
+            )
+
+    def _mismatch_error(self, waiting: int, label: str) -> SyncMismatchError:
+        done = sorted(self._finished)
+        return SyncMismatchError(
+            f"replica(s) {done} returned after {[self._sync_counts[r] for r in done]} sync "
+            f"point(s) while replica {waiting} waits at sync point {label!r} "
+            f"(#{self._sync_counts[waiting]}); every replica must make the same sync calls"
+        )
+
+
+class ReplicaExchange:
+    """One replica's handle on the rendezvous, aware of CUDA streams.
+
+    On CUDA each replica works on its own stream, so a value posted by one replica may still be
+    being written by its stream; every receiver waits on an event recorded at the post.
+    """
+
+    def __init__(self, rendezvous: Rendezvous, replica_id: int, device: torch.device) -> None:
+        self.rendezvous = rendezvous
+        self.replica_id = replica_id
+        self.num_replicas = rendezvous.num_replicas
+        self.device = device
+        self._cuda = device.type == "cuda"
+
+    def all(self, label: str, value: Any) -> list[Any]:
+        """Every replica's ``value`` at this sync point, ordered by replica id."""
+        if not self._cuda:
+            return self.rendezvous.exchange(self.replica_id, label, value)
+        event = torch.cuda.Event()
+        event.record()
+        posted = self.rendezvous.exchange(self.replica_id, label, (value, event))
+        stream = torch.cuda.current_stream()
+        for _, peer_event in posted:
+            stream.wait_event(peer_event)
+        return [v for v, _ in posted]
+
+    def barrier(self, label: str) -> None:
+        self.all(label, None)

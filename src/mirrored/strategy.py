@@ -1,0 +1,317 @@
+"""The Strategy contract, written once for every strategy.
+
+A strategy owns replicas (one per device) and runs a step on all of them: ``run`` hands each
+replica its slice of the arguments, ``reduce`` / ``gather`` combine their results, and datasets
+are split into per-replica shards. Subclasses say only how replica functions are executed
+(``_execute``) and which devices exist.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, TypeVar, overload
+
+import torch
+
+from mirrored import context
+from mirrored.bucketing import PackedTensors
+from mirrored.config import LogicalDevice, list_logical_devices
+from mirrored.cross_device_ops import CrossDeviceOps, HierarchicalCopyAllReduce
+from mirrored.input import (
+    DistributedDataset,
+    InputContext,
+    PerReplicaShards,
+    ValueContext,
+    distribute_global_batches,
+    distribute_replica_batches,
+)
+from mirrored.rendezvous import Rendezvous, ReplicaAbortedError, ReplicaExchange
+from mirrored.replica_workers import Outcome
+from mirrored.values import PerReplica, ReduceOp, flatten, map_structure, regroup, select_replica
+
+if TYPE_CHECKING:
+    from mirrored.mirror import MirroredModule, MirroredOptimizer
+
+__all__ = ["Strategy", "default_strategy"]
+
+OptimizerT = TypeVar("OptimizerT", bound=torch.optim.Optimizer)
+
+
+class Strategy:
+    """Base class of all strategies: the contract of ``mirrored``'s front-ends."""
+
+    def __init__(
+        self,
+        devices: Sequence[LogicalDevice],
+        cross_device_ops: CrossDeviceOps,
+        timeout_seconds: float | None,
+    ) -> None:
+        if timeout_seconds is not None and timeout_seconds <= 0:
+            raise ValueError(f"timeout_seconds={timeout_seconds}: expected a positive number or None")
+        self.devices: tuple[LogicalDevice, ...] = tuple(devices)
+        self.cross_device_ops = cross_device_ops
+        self.timeout_seconds = timeout_seconds
+
+    # -- identity ---------------------------------------------------------------------------------
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return len(self.devices)
+
+    @property
+    def torch_devices(self) -> tuple[torch.device, ...]:
+        return tuple(d.torch_device for d in self.devices)
+
+    def __repr__(self) -> str:
+        names = [d.short_name for d in self.devices]
+        return f"{type(self).__name__}(devices={names}, cross_device_ops={self.cross_device_ops})"
+
+    @contextmanager
+    def scope(self) -> Iterator[Strategy]:
+        """Make this the current strategy (``mirrored.get_strategy()``) on this thread."""
+        with context.strategy_scope(self):
+            yield self
+
+    # -- running replicas -------------------------------------------------------------------------
+    def run(
+        self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        """Run ``fn`` once per replica, concurrently, each with its slice of PerReplica arguments.
+
+        Returns the results regrouped: a PerReplica where replicas differ. An exception in a
+        replica is raised here, naming the replica; the other replicas are released.
+        """
+        kwargs = kwargs or {}
+        global_batch_size = _global_batch_size(args, kwargs)
+        rendezvous = Rendezvous(self.num_replicas_in_sync, self.timeout_seconds)
+        tasks = [
+            functools.partial(
+                self._run_replica,
+                replica_id,
+                rendezvous,
+                fn,
+                select_replica(replica_id, tuple(args)),
+                select_replica(replica_id, kwargs),
+                global_batch_size,
+            )
+            for replica_id in range(self.num_replicas_in_sync)
+        ]
+        outcomes = self._execute(tasks, rendezvous)
+        failures = [(i, o[1]) for i, o in enumerate(outcomes) if not o[0]]
+        if failures:
+            raise self._root_error(failures, rendezvous)
+        return regroup([o[1] for o in outcomes])
+
+    def _run_replica(
+        self,
+        replica_id: int,
+        rendezvous: Rendezvous,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        global_batch_size: int | None,
+    ) -> Any:
+        exchange = ReplicaExchange(rendezvous, replica_id, self.devices[replica_id].torch_device)
+        replica = context.ReplicaContext(self, replica_id, exchange, global_batch_size)
+        try:
+            with context.replica_scope(replica), self._replica_scope(replica_id):
+                return fn(*args, **kwargs)
+        except BaseException as error:
+            rendezvous.abort(error)
+            raise
+        finally:
+            rendezvous.finish(replica_id)
+
+    def _root_error(
+        self, failures: list[tuple[int, BaseException]], rendezvous: Rendezvous
+    ) -> BaseException:
+        """The error to raise: the first real failure (not a released replica), annotated."""
+        real = [(i, e) for i, e in failures if not isinstance(e, ReplicaAbortedError)]
+        for replica_id, error in real:
+            if error is rendezvous.abort_reason or len(real) == 1:
+                break
+        else:
+            if not real:
+                assert rendezvous.abort_reason is not None
+                return rendezvous.abort_reason
+            replica_id, error = real[0]
+        note = (
+            f"raised in replica {replica_id} of {self.num_replicas_in_sync} "
+            f"(device {self.devices[replica_id].short_name})"
+        )
+        if hasattr(error, "add_note") and note not in getattr(error, "__notes__", ()):
+            error.add_note(note)
+        return error
+
+    def _execute(self, tasks: Sequence[Callable[[], Any]], rendezvous: Rendezvous) -> list[Outcome]:
+        """Run one task per replica and return their outcomes; subclasses choose how."""
+        raise NotImplementedError
+
+    @contextmanager
+    def _replica_scope(self, replica_id: int) -> Iterator[None]:
+        """Per-replica device state around a replica task (streams, RNG); none by default."""
+        yield
+
+    def all_reduce_tensors(
+        self, replica: context.ReplicaContext, reduce_op: ReduceOp, tensors: Sequence[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """Collective: reduce a list of tensors across replicas, packed into buckets."""
+        if self.num_replicas_in_sync == 1:
+            return list(tensors)
+        plan = self.cross_device_ops.plan(tensors)
+        packed = PackedTensors(plan, [t.shape for t in tensors], replica.device)
+        packed.pack(tensors)
+        for buffer in packed.buffers:
+            self.cross_device_ops.all_reduce(replica.exchange, buffer, reduce_op)
+        return packed.unpacked()
+
+    # -- combining results ------------------------------------------------------------------------
+    def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
+        """The per-replica parts of ``value`` (a one-tuple for a plain value)."""
+        if isinstance(value, PerReplica):
+            return value.values
+        return (value,)
+
+    def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
+        """Combine a PerReplica (or nested structure of them) across replicas.
+
+        ``axis=None`` combines the replicas' values elementwise; with an ``axis`` each replica's
+        value is first summed along it, and MEAN divides by the total length along it, so a
+        ragged split gives the same mean as one device.
+        """
+        op = ReduceOp.of(reduce_op)
+        return map_structure(lambda v: self._reduce_leaf(op, v, axis), value)
+
+    def _reduce_leaf(self, op: ReduceOp, value: Any, axis: int | None) -> torch.Tensor:
+        parts = self.experimental_local_results(value)
+        if not isinstance(value, PerReplica) and op is ReduceOp.SUM and self.num_replicas_in_sync > 1:
+            raise ValueError(
+                f"cannot SUM {type(value).__name__} {value!r}: it is not a per-replica value; "
+                "pass a result of strategy.run"
+            )
+        tensors = [torch.as_tensor(p) for p in parts]
+        destination = self.devices[0].torch_device
+        if axis is None:
+            return self.cross_device_ops.reduce(op, tensors, destination)
+        total = self.cross_device_ops.reduce(
+            ReduceOp.SUM, [t.sum(dim=axis) for t in tensors], destination
+        )
+        if op is ReduceOp.MEAN:
+            total = total / sum(t.shape[axis] for t in tensors)
+        return total
+
+    def gather(self, value: Any, axis: int) -> Any:
+        """Concatenate the per-replica parts along ``axis`` on the first replica's device."""
+        destination = self.devices[0].torch_device
+        return map_structure(
+            lambda v: torch.cat(
+                [torch.as_tensor(p).to(destination) for p in self.experimental_local_results(v)],
+                dim=axis,
+            ),
+            value,
+        )
+
+    # -- input ------------------------------------------------------------------------------------
+    def experimental_distribute_dataset(self, dataset: Iterable[Any]) -> DistributedDataset:
+        """Split each global batch of ``dataset`` (a DataLoader or any iterable of batches) into
+        per-replica shards on the replicas' devices."""
+        return distribute_global_batches(dataset, self.torch_devices)
+
+    def distribute_datasets_from_function(
+        self, dataset_fn: Callable[[InputContext], Iterable[Any]]
+    ) -> DistributedDataset:
+        """``dataset_fn(input_context)`` builds a dataset of per-replica batches; each step takes
+        one batch per replica."""
+        input_context = InputContext(1, 0, self.num_replicas_in_sync)
+        return distribute_replica_batches([dataset_fn(input_context)], self.torch_devices)
+
+    def experimental_distribute_values_from_function(
+        self, value_fn: Callable[[ValueContext], Any]
+    ) -> Any:
+        """A PerReplica of ``value_fn(ValueContext(replica_id, n))``, tensors on each device."""
+        values = []
+        for replica_id, device in enumerate(self.torch_devices):
+            value = value_fn(ValueContext(replica_id, self.num_replicas_in_sync))
+            values.append(
+                map_structure(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, value)
+            )
+        return regroup(values) if self.num_replicas_in_sync > 1 else PerReplica(values)
+
+    # -- models -----------------------------------------------------------------------------------
+    @overload
+    def mirror(
+        self, module: torch.nn.Module, optimizer: None = None, *, sync_batch_norm: bool = False
+    ) -> MirroredModule: ...
+
+    @overload
+    def mirror(
+        self, module: torch.nn.Module, optimizer: OptimizerT, *, sync_batch_norm: bool = False
+    ) -> tuple[MirroredModule, MirroredOptimizer]: ...
+
+    def mirror(
+        self,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        sync_batch_norm: bool = False,
+    ) -> MirroredModule | tuple[MirroredModule, MirroredOptimizer]:
+        """One replica of ``module`` per device (the original becomes replica 0), and an optimizer
+        whose ``step()`` inside ``strategy.run`` all-reduces the gradients, then updates every
+        replica. See :mod:`mirrored.mirror`."""
+        from mirrored.mirror import mirror_module
+
+        return mirror_module(self, module, optimizer, sync_batch_norm=sync_batch_norm)
+
+    # -- lifetime ---------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release threads and other resources; idempotent."""
+
+    def __enter__(self) -> Strategy:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _global_batch_size(args: Sequence[Any], kwargs: dict[str, Any]) -> int | None:
+    """The global batch size of the distributed batch among the arguments, if any."""
+    for leaf in flatten((tuple(args), kwargs)):
+        if isinstance(leaf, PerReplicaShards):
+            return leaf.global_batch_size
+    return None
+
+
+class _DefaultStrategy(Strategy):
+    """No distribution: one replica, run on the caller's thread, tensors where the user put them.
+    What ``get_strategy()`` returns outside any scope, so front-ends need no special case."""
+
+    def __init__(self) -> None:
+        super().__init__(list_logical_devices("CPU")[:1], HierarchicalCopyAllReduce(), None)
+        self._default_replica = context.ReplicaContext(
+            self, 0, ReplicaExchange(Rendezvous(1, None), 0, torch.device("cpu"))
+        )
+
+    def default_replica_context(self) -> context.ReplicaContext:
+        return self._default_replica
+
+    def _execute(self, tasks: Sequence[Callable[[], Any]], rendezvous: Rendezvous) -> list[Outcome]:
+        try:
+            return [(True, tasks[0]())]
+        except BaseException as error:
+            return [(False, error)]
+
+    def mirror(  # type: ignore[override]
+        self,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        sync_batch_norm: bool = False,
+    ) -> Any:
+        """Nothing to mirror with one replica: the module and optimizer are returned unchanged."""
+        return module if optimizer is None else (module, optimizer)
+
+
+@functools.cache
+def default_strategy() -> _DefaultStrategy:
+    return _DefaultStrategy()

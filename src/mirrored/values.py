@@ -1,0 +1,92 @@
+"""Values that live on several replicas, reduce operations, and nested-structure helpers.
+
+A ``PerReplica`` holds one value per replica (a shard of a batch, a per-replica loss); it is what
+``strategy.run`` takes and returns. Nested structures (tuples, lists, dicts, namedtuples) of them
+are handled leaf by leaf, as in ``tf.nest``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from typing import Any
+
+__all__ = ["PerReplica", "ReduceOp", "flatten", "map_structure"]
+
+
+class ReduceOp(enum.Enum):
+    """How values of the replicas are combined."""
+
+    SUM = "sum"
+    MEAN = "mean"
+
+    @classmethod
+    def of(cls, op: ReduceOp | str) -> ReduceOp:
+        """Accept a ReduceOp or its name ("sum", "mean", any case)."""
+        if isinstance(op, ReduceOp):
+            return op
+        if isinstance(op, str) and op.lower() in ("sum", "mean"):
+            return cls(op.lower())
+        raise ValueError(f"reduce_op={op!r}: expected ReduceOp.SUM, ReduceOp.MEAN, 'sum' or 'mean'")
+
+
+class PerReplica:
+    """One value per replica, in replica order."""
+
+    __slots__ = ("values",)
+
+    def __init__(self, values: Sequence[Any]) -> None:
+        self.values = tuple(values)
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def __repr__(self) -> str:
+        inner = ",\n  ".join(f"{i}: {v!r}" for i, v in enumerate(self.values))
+        return f"PerReplica({{\n  {inner}\n}})"
+
+
+def _is_namedtuple(value: Any) -> bool:
+    return isinstance(value, tuple) and hasattr(value, "_fields")
+
+
+def map_structure(fn: Callable[..., Any], *structures: Any) -> Any:
+    """Apply ``fn`` to the leaves of same-shaped nested structures, keeping the shape."""
+    first = structures[0]
+    if isinstance(first, dict):
+        return type(first)((k, map_structure(fn, *(s[k] for s in structures))) for k in first)
+    if _is_namedtuple(first):
+        return type(first)(*(map_structure(fn, *parts) for parts in zip(*structures, strict=True)))
+    if isinstance(first, (list, tuple)):
+        return type(first)(map_structure(fn, *parts) for parts in zip(*structures, strict=True))
+    return fn(*structures)
+
+
+def flatten(structure: Any) -> list[Any]:
+    """The leaves of a nested structure, in ``map_structure`` order."""
+    leaves: list[Any] = []
+    map_structure(leaves.append, structure)
+    return leaves
+
+
+def select_replica(replica_id: int, structure: Any) -> Any:
+    """The structure as replica ``replica_id`` sees it: each PerReplica leaf replaced by its part."""
+    return map_structure(
+        lambda v: v.values[replica_id] if isinstance(v, PerReplica) else v, structure
+    )
+
+
+def regroup(per_replica_structures: Sequence[Any]) -> Any:
+    """Turn a list of per-replica structures into one structure of PerReplica leaves.
+
+    Leaves that are the very same object on every replica are passed through unwrapped.
+    """
+
+    def combine(*leaves: Any) -> Any:
+        if all(leaf is leaves[0] for leaf in leaves):
+            return leaves[0]
+        return PerReplica(leaves)
+
+    if len(per_replica_structures) == 1:
+        return per_replica_structures[0]
+    return map_structure(combine, *per_replica_structures)
