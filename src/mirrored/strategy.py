@@ -168,13 +168,16 @@ class Strategy:
 
     # -- combining results ------------------------------------------------------------------------
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
-        """The per-replica parts of ``value`` (a one-tuple for a plain value)."""
+        """``value`` as each replica holds it: one structure per replica (a one-tuple when
+        nothing in ``value`` is per-replica)."""
         if isinstance(value, PerReplica):
             return value.values
-        return (value,)
+        if not any(isinstance(leaf, PerReplica) for leaf in flatten(value)):
+            return (value,)
+        return tuple(select_replica(i, value) for i in range(self.num_replicas_in_sync))
 
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
-        """Combine a PerReplica (or nested structure of them) across replicas.
+        """Combine a PerReplica (or nested structure of them) across replicas (detached).
 
         ``axis=None`` combines the replicas' values elementwise; with an ``axis`` each replica's
         value is first summed along it, and MEAN divides by the total length along it, so a
@@ -190,7 +193,7 @@ class Strategy:
                 f"cannot SUM {type(value).__name__} {value!r}: it is not a per-replica value; "
                 "pass a result of strategy.run"
             )
-        tensors = [torch.as_tensor(p) for p in parts]
+        tensors = [torch.as_tensor(p).detach() for p in parts]
         destination = self.devices[0].torch_device
         if axis is None:
             return self.cross_device_ops.reduce(op, tensors, destination)
@@ -202,11 +205,15 @@ class Strategy:
         return total
 
     def gather(self, value: Any, axis: int) -> Any:
-        """Concatenate the per-replica parts along ``axis`` on the first replica's device."""
+        """Concatenate the per-replica parts along ``axis`` on the first replica's device
+        (detached)."""
         destination = self.devices[0].torch_device
         return map_structure(
             lambda v: torch.cat(
-                [torch.as_tensor(p).to(destination) for p in self.experimental_local_results(v)],
+                [
+                    torch.as_tensor(p).detach().to(destination)
+                    for p in self.experimental_local_results(v)
+                ],
                 dim=axis,
             ),
             value,

@@ -1,0 +1,345 @@
+"""Overhead of MirroredStrategy against the plain PyTorch loop, with 2-process DDP as a peer.
+
+Every configuration trains the same MLP (784-512-512-10, ReLU) with Adam (lr 1e-3) on the same
+synthetic float32 batches (fixed seed, generated once) at the same global batch size:
+
+- ``plain``: the single-device loop with all cores (``torch.set_num_threads(os.cpu_count())``);
+- ``mirrored-1``: MirroredStrategy on ["cpu:0"], i.e. the cost of the strategy machinery alone;
+- ``mirrored-2``: MirroredStrategy on two logical CPU devices sharing the same cores;
+- ``ddp-2``: DistributedDataParallel over gloo, 2 processes on 127.0.0.1, cpu_count // 2 threads
+  and half the global batch each.
+
+Each measurement builds a fresh model and optimizer (and strategy), runs 3 warm-up steps, then
+times ``--steps`` steps. Rounds are interleaved: each round runs every configuration once, in an
+order rotated by one per round, so slow drift of the machine is spread over all of them; the
+median over rounds is reported. The two DDP processes are started, joined into one process group
+and given their data before the first round, then wait idle (blocked on a pipe) while the other
+configurations run; in their turn they build a fresh DDP model, warm up, and time the steps
+between two barriers (rank 0's wall time). Process start-up and group init are not timed.
+
+Run from the repository root: ``python benchmarks/overhead.py [--json results.json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import queue
+import socket
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import mirrored
+from mirrored import config
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+SEED = 0
+LEARNING_RATE = 1e-3
+WARMUP_STEPS = 3
+DDP_WORLD_SIZE = 2
+# Throughput goals relative to plain (None: reference or peer row, no goal).
+GOALS: dict[str, float | None] = {
+    "plain": None,
+    "mirrored-1": 0.98,
+    "mirrored-2": 0.95,
+    "ddp-2": None,
+}
+MIRRORED_OVER_DDP_GOAL = 1.5
+
+
+def make_model() -> nn.Module:
+    """The same initial weights for every configuration and round."""
+    torch.manual_seed(SEED)
+    return nn.Sequential(
+        nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)
+    )
+
+
+def make_batches(num_batches: int, batch_size: int) -> list[Batch]:
+    """Synthetic MNIST-shaped batches; deterministic, so the DDP processes can rebuild them."""
+    generator = torch.Generator().manual_seed(SEED)
+    return [
+        (
+            torch.randn(batch_size, 784, generator=generator),
+            torch.randint(0, 10, (batch_size,), generator=generator),
+        )
+        for _ in range(num_batches)
+    ]
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch) -> torch.Tensor:
+    x, y = batch
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def time_plain(warmup: Sequence[Batch], timed: Sequence[Batch]) -> float:
+    model = make_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=LEARNING_RATE)
+    for batch in warmup:
+        train_step(model, optimizer, batch)
+    start = time.perf_counter()
+    for batch in timed:
+        train_step(model, optimizer, batch)
+    return time.perf_counter() - start
+
+
+def time_mirrored(devices: Sequence[str], warmup: Sequence[Batch], timed: Sequence[Batch]) -> float:
+    """Splitting the batches (experimental_distribute_dataset) is timed: it is part of the cost."""
+    strategy = mirrored.MirroredStrategy(devices=devices)
+    try:
+        net = make_model()
+        model, optimizer = strategy.mirror(net, torch.optim.Adam(net.parameters(), lr=LEARNING_RATE))
+
+        def step(batch: Batch) -> torch.Tensor:
+            x, y = batch
+            loss = mirrored.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            return loss
+
+        for batch in strategy.experimental_distribute_dataset(warmup):
+            strategy.run(step, args=(batch,))
+        start = time.perf_counter()
+        for batch in strategy.experimental_distribute_dataset(timed):
+            strategy.run(step, args=(batch,))
+        return time.perf_counter() - start
+    finally:
+        strategy.close()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _ddp_worker(
+    rank: int,
+    port: int,
+    steps: int,
+    batch_size: int,
+    commands: Any,
+    results: Any,
+) -> None:
+    """One DDP rank: join the group once, then train a fresh model each time it is told "run"."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // DDP_WORLD_SIZE))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=DDP_WORLD_SIZE
+    )
+    try:
+        per_rank = batch_size // DDP_WORLD_SIZE
+        shard = slice(rank * per_rank, (rank + 1) * per_rank)
+        batches = [(x[shard], y[shard]) for x, y in make_batches(WARMUP_STEPS + steps, batch_size)]
+        dist.barrier()
+        if rank == 0:
+            results.put("ready")
+        while commands.get() == "run":
+            model = DistributedDataParallel(make_model())
+            optimizer = torch.optim.Adam(model.parameters(), lr=LEARNING_RATE)
+            for batch in batches[:WARMUP_STEPS]:
+                train_step(model, optimizer, batch)
+            dist.barrier()
+            start = time.perf_counter()
+            for batch in batches[WARMUP_STEPS:]:
+                train_step(model, optimizer, batch)
+            dist.barrier()
+            if rank == 0:
+                results.put(time.perf_counter() - start)
+    finally:
+        dist.destroy_process_group()
+
+
+class DdpPeer:
+    """The DDP processes, started once and kept idle between their turns (see module docstring)."""
+
+    def __init__(self, steps: int, batch_size: int) -> None:
+        context = mp.get_context("spawn")
+        port = free_port()
+        self._commands = [context.SimpleQueue() for _ in range(DDP_WORLD_SIZE)]
+        self._results = context.Queue()
+        self._processes = [
+            context.Process(
+                target=_ddp_worker,
+                args=(rank, port, steps, batch_size, self._commands[rank], self._results),
+                name=f"ddp-rank-{rank}",
+            )
+            for rank in range(DDP_WORLD_SIZE)
+        ]
+        for process in self._processes:
+            process.start()
+        try:
+            self._receive()  # "ready": both ranks are in the group and hold their data
+        except BaseException:
+            self.close()
+            raise
+
+    def measure(self) -> float:
+        for commands in self._commands:
+            commands.put("run")
+        return float(self._receive())
+
+    def _receive(self) -> Any:
+        """The next message from rank 0, or an error naming a rank that died meanwhile."""
+        while True:
+            try:
+                return self._results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [(p.name, p.exitcode) for p in self._processes if not p.is_alive()]
+                if dead:
+                    raise RuntimeError(f"DDP worker(s) exited early (name, exit code): {dead}")
+
+    def close(self) -> None:
+        for process, commands in zip(self._processes, self._commands, strict=True):
+            if process.is_alive():
+                commands.put("stop")
+        for process in self._processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.terminate()
+                process.join()
+
+    def __enter__(self) -> DdpPeer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def machine_description() -> dict[str, Any]:
+    return {
+        "platform": platform.platform(),
+        "processor": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def summarize(times: dict[str, list[float]], steps: int) -> list[dict[str, Any]]:
+    plain = statistics.median(times["plain"])
+    rows = []
+    for name, seconds in times.items():
+        median = statistics.median(seconds)
+        ratio = plain / median
+        goal = GOALS[name]
+        rows.append(
+            {
+                "config": name,
+                "seconds": seconds,
+                "median_s": median,
+                "steps_per_s": steps / median,
+                "ratio_to_plain": ratio,
+                "goal": goal,
+                "met": None if goal is None else ratio >= goal,
+            }
+        )
+    return rows
+
+
+def print_table(rows: Sequence[dict[str, Any]], steps: int, mirrored_over_ddp: float) -> None:
+    print(
+        f"\n{'config':<12} {f'median s / {steps} steps':>22} {'steps/s':>9} {'vs plain':>9} "
+        f"{'goal':>8} {'met':>4}"
+    )
+    for row in rows:
+        goal = "-" if row["goal"] is None else f">={row['goal']:.2f}x"
+        met = "-" if row["met"] is None else ("yes" if row["met"] else "NO")
+        print(
+            f"{row['config']:<12} {row['median_s']:>22.3f} {row['steps_per_s']:>9.1f} "
+            f"{row['ratio_to_plain']:>8.3f}x {goal:>8} {met:>4}"
+        )
+    met = "yes" if mirrored_over_ddp >= MIRRORED_OVER_DDP_GOAL else "NO"
+    print(
+        f"\nmirrored-2 / ddp-2 throughput: {mirrored_over_ddp:.2f}x "
+        f"(aim >={MIRRORED_OVER_DDP_GOAL:.1f}x): {met}"
+    )
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=60, help="timed steps per measurement")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
+    parser.add_argument("--batch-size", type=int, default=256, help="global batch size")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.rounds < 1:
+        parser.error(f"--steps={args.steps} and --rounds={args.rounds} must be at least 1")
+    if args.batch_size < DDP_WORLD_SIZE or args.batch_size % DDP_WORLD_SIZE:
+        parser.error(
+            f"--batch-size={args.batch_size}: must be a positive multiple of {DDP_WORLD_SIZE} "
+            "(DDP splits it evenly over its processes)"
+        )
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    machine = machine_description()
+    print(", ".join(f"{key}: {value}" for key, value in machine.items()))
+    print(
+        f"MLP 784-512-512-10, Adam, global batch {args.batch_size}, {args.steps} timed steps "
+        f"after {WARMUP_STEPS} warm-up, {args.rounds} interleaved rounds"
+    )
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    cpu = config.list_physical_devices("CPU")[0]
+    config.set_logical_device_configuration(cpu, [config.LogicalDeviceConfiguration()] * 2)
+    batches = make_batches(WARMUP_STEPS + args.steps, args.batch_size)
+    warmup, timed = batches[:WARMUP_STEPS], batches[WARMUP_STEPS:]
+
+    with DdpPeer(args.steps, args.batch_size) as ddp:
+        configs: dict[str, Callable[[], float]] = {
+            "plain": lambda: time_plain(warmup, timed),
+            "mirrored-1": lambda: time_mirrored(["cpu:0"], warmup, timed),
+            "mirrored-2": lambda: time_mirrored(["cpu:0", "cpu:1"], warmup, timed),
+            "ddp-2": ddp.measure,
+        }
+        times: dict[str, list[float]] = {name: [] for name in configs}
+        names = list(configs)
+        for round_index in range(args.rounds):
+            shift = round_index % len(names)
+            for name in names[shift:] + names[:shift]:
+                times[name].append(configs[name]())
+            print(
+                f"round {round_index + 1}/{args.rounds}: "
+                + ", ".join(f"{name} {times[name][-1]:.3f} s" for name in names)
+            )
+
+    rows = summarize(times, args.steps)
+    mirrored_over_ddp = statistics.median(times["ddp-2"]) / statistics.median(times["mirrored-2"])
+    print_table(rows, args.steps, mirrored_over_ddp)
+    if args.json:
+        report = {
+            "machine": machine,
+            "settings": {
+                "steps": args.steps,
+                "rounds": args.rounds,
+                "batch_size": args.batch_size,
+                "warmup_steps": WARMUP_STEPS,
+            },
+            "results": rows,
+            "mirrored_2_over_ddp_2": mirrored_over_ddp,
+        }
+        with open(args.json, "w") as file:
+            json.dump(report, file, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""Test setup: four logical CPU devices for the whole session, and hygiene checks.
+
+Every test must leave no replica thread, no process group and no changed environment variable
+behind (Lightning Fabric's conftest does the same).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from mirrored import config
+
+NUM_LOGICAL_CPUS = 4
+
+config.set_logical_device_configuration(
+    config.list_physical_devices("CPU")[0],
+    [config.LogicalDeviceConfiguration()] * NUM_LOGICAL_CPUS,
+)
+
+
+# Set by pytest itself, and by torch the first time it imports its compiler stack.
+_IGNORED_ENV = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR"}
+
+
+def _environ() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in _IGNORED_ENV}
+
+
+def _replica_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("mirrored-replica-")]
+
+
+@pytest.fixture(autouse=True)
+def hygiene() -> Iterator[None]:
+    environ = _environ()
+    threads = torch.get_num_threads()
+    yield
+    gc.collect()
+    for thread in _replica_threads():
+        thread.join(timeout=5)
+    leaked = _replica_threads()
+    assert not leaked, f"replica threads left running: {[t.name for t in leaked]}"
+    assert _environ() == environ, "the test changed environment variables"
+    assert torch.get_num_threads() == threads, "the test changed the main thread's thread count"
+    if torch.distributed.is_available():
+        assert not torch.distributed.is_initialized(), "the test left a process group"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    skip_cuda = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "cuda" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip_cuda)

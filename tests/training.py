@@ -1,0 +1,81 @@
+"""The plain single-device loop and its mirrored twin, for equivalence tests."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mirrored
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def make_batches(num_examples: int = 203, batch_size: int = 16, features: int = 12,
+                 classes: int = 5, seed: int = 0) -> list[Batch]:
+    """A classification data set whose last batch is ragged (203 = 12 * 16 + 11)."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_examples, features, generator=generator)
+    y = torch.randint(0, classes, (num_examples,), generator=generator)
+    return [(x[i : i + batch_size], y[i : i + batch_size]) for i in range(0, num_examples, batch_size)]
+
+
+def make_mlp(features: int = 12, classes: int = 5, seed: int = 1) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(features, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(),
+                         nn.Linear(16, classes))
+
+
+OPTIMIZERS: dict[str, Callable[[nn.Module], torch.optim.Optimizer]] = {
+    "sgd_momentum": lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
+    "adam": lambda m: torch.optim.Adam(m.parameters(), lr=1e-2),
+}
+
+
+def train_plain(model: nn.Module, optimizer: torch.optim.Optimizer,
+                batches: Sequence[Batch]) -> list[float]:
+    losses = []
+    for x, y in batches:
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def train_mirrored(strategy: mirrored.Strategy, model: nn.Module,
+                   optimizer: torch.optim.Optimizer, batches: Sequence[Batch]
+                   ) -> tuple[mirrored.MirroredModule, mirrored.MirroredOptimizer, list[float]]:
+    """The issue's program, verbatim in spirit."""
+    mirrored_model, mirrored_optimizer = strategy.mirror(model, optimizer)
+
+    def step(batch: Batch) -> torch.Tensor:
+        x, y = batch
+        loss = mirrored.compute_average_loss(
+            F.cross_entropy(mirrored_model(x), y, reduction="none"))
+        loss.backward()
+        mirrored_optimizer.step()
+        mirrored_optimizer.zero_grad()
+        return loss
+
+    losses = []
+    for batch in strategy.experimental_distribute_dataset(batches):
+        losses.append(strategy.reduce("sum", strategy.run(step, args=(batch,)), axis=None).item())
+    return mirrored_model, mirrored_optimizer, losses
+
+
+def assert_same_parameters(expected: nn.Module, actual: nn.Module, rtol: float = 1e-5,
+                           atol: float = 1e-6) -> None:
+    for (name, a), b in zip(expected.state_dict().items(), actual.state_dict().values(),
+                            strict=True):
+        torch.testing.assert_close(b.cpu(), a.cpu(), rtol=rtol, atol=atol, msg=name)
+
+
+def assert_replicas_identical(model: mirrored.MirroredModule) -> None:
+    first = model.replicas[0].state_dict()
+    for replica in model.replicas[1:]:
+        for name, value in replica.state_dict().items():
+            assert torch.equal(value.cpu(), first[name].cpu()), f"replica diverged at {name}"
