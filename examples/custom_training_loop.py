@@ -97,7 +97,7 @@ def eval_step(model: mirrored.MirroredModule, batch: Batch) -> tuple[Tensor, Ten
 def run_epoch(
     strategy: mirrored.Strategy,
     step: Callable[[Batch], tuple[Tensor, Tensor]],
-    loader: DataLoader[Batch],
+    loader: DataLoader[tuple[Tensor, ...]],
 ) -> tuple[float, int]:
     """Summed loss and correct count over the epoch. Sums, not means, are reduced across replicas
     so that dividing by the number of examples is exact even with a ragged last batch."""
@@ -136,10 +136,8 @@ def main() -> None:
         mirrored_model, mirrored_optimizer = strategy.mirror(model, optimizer)
         train = functools.partial(train_step, mirrored_model, mirrored_optimizer)
         evaluate = functools.partial(eval_step, mirrored_model)
-        print(
-            f"{strategy}: {len(train_set)} train / {len(test_set)} test examples, "
-            f"global batch {args.batch_size}"
-        )
+        print(strategy)
+        print(f"{len(train_set)} train / {len(test_set)} test examples, batch {args.batch_size}")
 
         for epoch in range(1, args.epochs + 1):
             start = time.perf_counter()

@@ -52,7 +52,8 @@ def test_batches_smaller_than_replica_count_give_empty_shards():
     with mirrored.MirroredStrategy([f"cpu:{i}" for i in range(4)]) as strategy:
         model = make_mlp()
         mirrored_model, _, _ = train_mirrored(
-            strategy, model, OPTIMIZERS["sgd_momentum"](model), batches)
+            strategy, model, OPTIMIZERS["sgd_momentum"](model), batches
+        )
     assert_same_parameters(reference, mirrored_model)
 
 
@@ -62,7 +63,8 @@ def test_all_cross_device_ops_give_bit_identical_parameters():
         with mirrored.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"], make_ops()) as strategy:
             model = make_mlp()
             mirrored_model, _, _ = train_mirrored(
-                strategy, model, OPTIMIZERS["adam"](model), make_batches())
+                strategy, model, OPTIMIZERS["adam"](model), make_batches()
+            )
             results.append(mirrored_model.state_dict())
     for state in results[1:]:
         for name, value in state.items():
@@ -90,8 +92,9 @@ def test_reduce_with_and_without_axis_is_exact_on_ragged_shards():
         (batch,) = list(strategy.experimental_distribute_dataset([data]))  # shards 4, 3, 3
         per_replica = strategy.run(lambda shard: shard * 1.0, args=(batch,))
         torch.testing.assert_close(strategy.reduce("mean", per_replica, axis=0), data.mean(0))
-        torch.testing.assert_close(strategy.reduce(mirrored.ReduceOp.SUM, per_replica, axis=0),
-                                   data.sum(0))
+        torch.testing.assert_close(
+            strategy.reduce(mirrored.ReduceOp.SUM, per_replica, axis=0), data.sum(0)
+        )
         sums = strategy.run(lambda shard: shard.sum(), args=(batch,))
         assert strategy.reduce("SUM", sums, axis=None).item() == data.sum().item()
         assert strategy.reduce("mean", sums, axis=None).item() == pytest.approx(data.sum() / 3)
@@ -124,15 +127,25 @@ def test_contexts_inside_and_outside_scope_and_run():
 
             def inside():
                 replica = mirrored.get_replica_context()
-                return (mirrored.get_strategy() is strategy, mirrored.in_cross_replica_context(),
-                        replica.replica_id_in_sync_group, replica.num_replicas_in_sync)
+                return (
+                    mirrored.get_strategy() is strategy,
+                    mirrored.in_cross_replica_context(),
+                    replica.replica_id_in_sync_group,
+                    replica.num_replicas_in_sync,
+                )
 
             results = strategy.run(inside)
             assert strategy.experimental_local_results(results) == (
-                (True, False, 0, 2), (True, False, 1, 2))
-        with mirrored.MirroredStrategy(["cpu:2"]) as other, strategy.scope():
-            with pytest.raises(RuntimeError, match="inside the scope of another strategy"):
-                other.scope().__enter__()
+                (True, False, 0, 2),
+                (True, False, 1, 2),
+            )
+        with (
+            mirrored.MirroredStrategy(["cpu:2"]) as other,
+            strategy.scope(),
+            pytest.raises(RuntimeError, match="inside the scope of another strategy"),
+            other.scope(),
+        ):
+            pass
     assert mirrored.get_strategy().num_replicas_in_sync == 1
 
 
@@ -155,7 +168,8 @@ def test_replica_context_collectives_and_merge_call():
             return total, mean, gathered, merged
 
         for rid, (total, mean, gathered, merged) in enumerate(
-                strategy.experimental_local_results(strategy.run(fn))):
+            strategy.experimental_local_results(strategy.run(fn))
+        ):
             assert total["t"].tolist() == [3.0, 3.0] and total["n"] == 3
             assert mean.item() == 1.0
             assert gathered.tolist() == [0.0, 0.0, 1.0, 0.0, 1.0, 2.0]
@@ -165,7 +179,8 @@ def test_replica_context_collectives_and_merge_call():
 def test_distribute_values_from_function_places_values_per_replica():
     with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
         values = strategy.experimental_distribute_values_from_function(
-            lambda ctx: torch.full((2,), float(ctx.replica_id_in_sync_group)))
+            lambda ctx: torch.full((2,), float(ctx.replica_id_in_sync_group))
+        )
         result = strategy.run(lambda v: v.sum(), args=(values,))
         assert [v.item() for v in strategy.experimental_local_results(result)] == [0.0, 2.0]
 

@@ -13,19 +13,27 @@ import mirrored
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-def make_batches(num_examples: int = 203, batch_size: int = 16, features: int = 12,
-                 classes: int = 5, seed: int = 0) -> list[Batch]:
+def make_batches(
+    num_examples: int = 203,
+    batch_size: int = 16,
+    features: int = 12,
+    classes: int = 5,
+    seed: int = 0,
+) -> list[Batch]:
     """A classification data set whose last batch is ragged (203 = 12 * 16 + 11)."""
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(num_examples, features, generator=generator)
     y = torch.randint(0, classes, (num_examples,), generator=generator)
-    return [(x[i : i + batch_size], y[i : i + batch_size]) for i in range(0, num_examples, batch_size)]
+    return [
+        (x[i : i + batch_size], y[i : i + batch_size]) for i in range(0, num_examples, batch_size)
+    ]
 
 
 def make_mlp(features: int = 12, classes: int = 5, seed: int = 1) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(features, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(),
-                         nn.Linear(16, classes))
+    return nn.Sequential(
+        nn.Linear(features, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, classes)
+    )
 
 
 OPTIMIZERS: dict[str, Callable[[nn.Module], torch.optim.Optimizer]] = {
@@ -34,8 +42,9 @@ OPTIMIZERS: dict[str, Callable[[nn.Module], torch.optim.Optimizer]] = {
 }
 
 
-def train_plain(model: nn.Module, optimizer: torch.optim.Optimizer,
-                batches: Sequence[Batch]) -> list[float]:
+def train_plain(
+    model: nn.Module, optimizer: torch.optim.Optimizer, batches: Sequence[Batch]
+) -> list[float]:
     losses = []
     for x, y in batches:
         loss = F.cross_entropy(model(x), y)
@@ -46,16 +55,20 @@ def train_plain(model: nn.Module, optimizer: torch.optim.Optimizer,
     return losses
 
 
-def train_mirrored(strategy: mirrored.Strategy, model: nn.Module,
-                   optimizer: torch.optim.Optimizer, batches: Sequence[Batch]
-                   ) -> tuple[mirrored.MirroredModule, mirrored.MirroredOptimizer, list[float]]:
+def train_mirrored(
+    strategy: mirrored.Strategy,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: Sequence[Batch],
+) -> tuple[mirrored.MirroredModule, mirrored.MirroredOptimizer, list[float]]:
     """The issue's program, verbatim in spirit."""
     mirrored_model, mirrored_optimizer = strategy.mirror(model, optimizer)
 
     def step(batch: Batch) -> torch.Tensor:
         x, y = batch
         loss = mirrored.compute_average_loss(
-            F.cross_entropy(mirrored_model(x), y, reduction="none"))
+            F.cross_entropy(mirrored_model(x), y, reduction="none")
+        )
         loss.backward()
         mirrored_optimizer.step()
         mirrored_optimizer.zero_grad()
@@ -67,10 +80,12 @@ def train_mirrored(strategy: mirrored.Strategy, model: nn.Module,
     return mirrored_model, mirrored_optimizer, losses
 
 
-def assert_same_parameters(expected: nn.Module, actual: nn.Module, rtol: float = 1e-5,
-                           atol: float = 1e-6) -> None:
-    for (name, a), b in zip(expected.state_dict().items(), actual.state_dict().values(),
-                            strict=True):
+def assert_same_parameters(
+    expected: nn.Module, actual: nn.Module, rtol: float = 1e-5, atol: float = 1e-6
+) -> None:
+    for (name, a), b in zip(
+        expected.state_dict().items(), actual.state_dict().values(), strict=True
+    ):
         torch.testing.assert_close(b.cpu(), a.cpu(), rtol=rtol, atol=atol, msg=name)
 
 

@@ -31,7 +31,7 @@ def _all_reduce_sum(replica: ReplicaContext, tensor: torch.Tensor) -> torch.Tens
 
 class _SyncBatchNormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         x: torch.Tensor,
         weight: torch.Tensor | None,
@@ -71,7 +71,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         return y
 
     @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> Any:  # type: ignore[override]
+    def backward(ctx: Any, dy: torch.Tensor) -> Any:
         xhat, weight, invstd, count = ctx.saved_tensors
         channels = xhat.shape[1]
         dims = [d for d in range(xhat.dim()) if d != 1]
@@ -81,7 +81,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         sums = _all_reduce_sum(ctx.replica, torch.cat([local_dy, local_dy_xhat]))
         sum_dy, sum_dy_xhat = sums[:channels], sums[channels:]
         scale = invstd if weight is None else invstd * weight
-        dx = (dy - (sum_dy / count).view(shape) - xhat * (sum_dy_xhat / count).view(shape))
+        dx = dy - (sum_dy / count).view(shape) - xhat * (sum_dy_xhat / count).view(shape)
         dx = dx * scale.view(shape)
         # Parameter gradients are this replica's share; optimizer.step sums them across replicas.
         dweight = local_dy_xhat if weight is not None else None
@@ -108,8 +108,14 @@ class MirroredSyncBatchNorm(_BatchNorm):
                 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
             )
         result: torch.Tensor = _SyncBatchNormFunction.apply(
-            input, self.weight, self.bias, self.running_mean, self.running_var, factor,
-            self.eps, replica,
+            input,
+            self.weight,
+            self.bias,
+            self.running_mean,
+            self.running_var,
+            factor,
+            self.eps,
+            replica,
         )
         return result
 
@@ -126,7 +132,10 @@ def convert_sync_batch_norm(module: nn.Module, strategy: Strategy) -> nn.Module:
         )
     if isinstance(module, _BatchNorm) and not isinstance(module, MirroredSyncBatchNorm):
         converted = MirroredSyncBatchNorm(
-            module.num_features, module.eps, module.momentum, module.affine,
+            module.num_features,
+            module.eps,
+            module.momentum,
+            module.affine,
             module.track_running_stats,
         )
         converted.weight, converted.bias = module.weight, module.bias

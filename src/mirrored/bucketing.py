@@ -80,9 +80,7 @@ def plan_buckets(
     for dtype, indices in groups:
         sizes = [numels[i] for i in indices]
         offsets = (0, *itertools.accumulate(sizes[:-1]))
-        buckets.append(
-            Bucket(tuple(indices), offsets, sum(numels[i] for i in indices), dtype)
-        )
+        buckets.append(Bucket(tuple(indices), offsets, sum(numels[i] for i in indices), dtype))
     return tuple(buckets)
 
 
@@ -107,8 +105,11 @@ class PackedTensors:
         """Copy ``tensors`` into the buffers; None counts as zeros."""
         for bucket, buffer in zip(self.plan, self.buffers, strict=True):
             parts = [tensors[i] for i in bucket.indices]
-            fresh = [p for p, i in zip(parts, bucket.indices, strict=True)
-                     if p is not None and p is not self.views[i]]
+            fresh = [
+                p
+                for p, i in zip(parts, bucket.indices, strict=True)
+                if p is not None and p is not self.views[i]
+            ]
             if len(fresh) == len(parts):
                 flats = [p.reshape(-1) for p in parts if p is not None]
                 if len(flats) == 1:

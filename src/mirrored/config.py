@@ -45,7 +45,9 @@ class PhysicalDevice:
 
     @property
     def torch_device(self) -> torch.device:
-        return torch.device("cpu") if self.device_type == "CPU" else torch.device("cuda", self.index)
+        return (
+            torch.device("cpu") if self.device_type == "CPU" else torch.device("cuda", self.index)
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +152,9 @@ def set_logical_device_configuration(
     if logical_devices is not None:
         config = tuple(logical_devices)
         if not config:
-            raise ValueError("logical_devices is empty: pass at least one LogicalDeviceConfiguration")
+            raise ValueError(
+                "logical_devices is empty: pass at least one LogicalDeviceConfiguration"
+            )
         for item in config:
             if not isinstance(item, LogicalDeviceConfiguration):
                 raise TypeError(
@@ -198,7 +202,7 @@ def list_logical_devices(device_type: str | None = None) -> list[LogicalDevice]:
 _NAME = re.compile(r"^(?:.*/)?(?:device:)?(cpu|gpu|cuda)(?::(\d+))?$", re.IGNORECASE)
 
 
-def _parse(spec: DeviceSpec) -> tuple[str, int]:
+def _parse(spec: DeviceSpec | LogicalDevice) -> tuple[str, int]:
     if isinstance(spec, torch.device):
         if spec.type not in ("cpu", "cuda"):
             raise ValueError(f"device {spec}: only cpu and cuda devices are supported")
@@ -241,7 +245,7 @@ def resolve_devices(specs: Iterable[DeviceSpec | LogicalDevice]) -> list[Logical
 
 
 def mark_in_use(devices: Iterable[LogicalDevice]) -> None:
-    """Freeze the configuration of the physical devices behind ``devices`` (a strategy uses them)."""
+    """Freeze the configuration of the physical devices behind ``devices`` (now in use)."""
     with _lock:
         _initialized.update(d.physical for d in devices)
 

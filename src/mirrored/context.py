@@ -73,8 +73,9 @@ class ReplicaContext:
         leaves = flatten(value)
         tensors = [torch.as_tensor(v, device=self.device) for v in leaves]
         reduced = iter(self.strategy.all_reduce_tensors(self, op, tensors))
-        results = [next(reduced) if isinstance(v, torch.Tensor) else next(reduced).item()
-                   for v in leaves]
+        results = [
+            next(reduced) if isinstance(v, torch.Tensor) else next(reduced).item() for v in leaves
+        ]
         it = iter(results)
         return map_structure(lambda _: next(it), value)
 

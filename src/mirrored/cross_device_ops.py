@@ -43,14 +43,18 @@ class CrossDeviceOps:
         self.bytes_per_pack = bytes_per_pack
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(num_packs={self.num_packs}, bytes_per_pack={self.bytes_per_pack})"
+        name = type(self).__name__
+        return f"{name}(num_packs={self.num_packs}, bytes_per_pack={self.bytes_per_pack})"
 
     def validate(self, devices: Sequence[LogicalDevice]) -> None:
         """Raise ValueError if this algorithm cannot run on ``devices``."""
 
     def plan(self, tensors: Sequence[torch.Tensor]) -> tuple[Bucket, ...]:
         return plan_buckets(
-            [t.shape for t in tensors], [t.dtype for t in tensors], self.num_packs, self.bytes_per_pack
+            [t.shape for t in tensors],
+            [t.dtype for t in tensors],
+            self.num_packs,
+            self.bytes_per_pack,
         )
 
     def reduce(
@@ -64,7 +68,9 @@ class CrossDeviceOps:
             total.div_(len(values))
         return total
 
-    def all_reduce(self, exchange: ReplicaExchange, flat: torch.Tensor, reduce_op: ReduceOp) -> None:
+    def all_reduce(
+        self, exchange: ReplicaExchange, flat: torch.Tensor, reduce_op: ReduceOp
+    ) -> None:
         """Collective: replace ``flat`` by its reduction over all replicas, in place."""
         if exchange.num_replicas > 1:
             self._all_reduce_sum(exchange, flat)
@@ -80,7 +86,9 @@ class ReductionToOneDevice(CrossDeviceOps):
     then copy the sum back to every replica. Simple and works on any mix of devices."""
 
     def __init__(
-        self, reduce_to_device: str | torch.device | None = None, num_packs: int = 1,
+        self,
+        reduce_to_device: str | torch.device | None = None,
+        num_packs: int = 1,
         bytes_per_pack: int = 0,
     ) -> None:
         super().__init__(num_packs, bytes_per_pack)

@@ -186,7 +186,9 @@ class MirroredOptimizer:
         """The current replica's gradients inside ``strategy.run``, every replica's outside."""
         replica = _replica_context_of(self._strategy)
         targets = (
-            self.optimizers if replica is None else [self.optimizers[replica.replica_id_in_sync_group]]
+            self.optimizers
+            if replica is None
+            else [self.optimizers[replica.replica_id_in_sync_group]]
         )
         for optimizer in targets:
             optimizer.zero_grad(set_to_none=set_to_none)
@@ -198,7 +200,7 @@ class MirroredOptimizer:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load the same state into every replica's optimizer (moved to its device)."""
         for optimizer in self.optimizers:
-            optimizer.load_state_dict(state_dict)
+            _load_own_copy(optimizer, state_dict)
 
 
 def _replicate_optimizer(
@@ -210,8 +212,17 @@ def _replicate_optimizer(
     # An LR scheduler wraps the original's bound step() in an instance attribute; the copy must
     # use its own class method, not the original's.
     replica.__dict__.pop("step", None)
-    replica.load_state_dict(optimizer.state_dict())
+    _load_own_copy(replica, optimizer.state_dict())
     return replica
+
+
+def _load_own_copy(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+    """Load ``state_dict`` into ``optimizer`` without sharing its tensors.
+
+    ``Optimizer.load_state_dict`` keeps tensors already on the right device, so replicas on
+    logical devices of one physical device would share (and update N times) the same state.
+    """
+    optimizer.load_state_dict(copy.deepcopy(state_dict))
 
 
 def mirror_module(

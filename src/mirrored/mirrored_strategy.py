@@ -13,7 +13,7 @@ from mirrored import config
 from mirrored.config import DeviceSpec, LogicalDevice
 from mirrored.cross_device_ops import CrossDeviceOps, choose_cross_device_ops
 from mirrored.device_runtime import ReplicaDeviceRuntime, cap_process_memory
-from mirrored.randomness import ReplicaRandomness
+from mirrored.randomness import ReplicaRandomness, StepSeed
 from mirrored.rendezvous import Rendezvous, SyncTimeoutError
 from mirrored.replica_workers import Outcome, ReplicaWorkers
 from mirrored.strategy import Strategy
@@ -60,9 +60,7 @@ class MirroredStrategy(Strategy):
         cpu_replicas = sum(1 for d in logical if d.device_type == "CPU") or 1
         threads = max(1, torch.get_num_threads() // cpu_replicas)
         self._runtimes = [ReplicaDeviceRuntime(d, threads) for d in logical]
-        self._randomness = [
-            ReplicaRandomness(i, d.torch_device) for i, d in enumerate(logical)
-        ]
+        self._randomness = [ReplicaRandomness(i, d.torch_device) for i, d in enumerate(logical)]
         self._workers = ReplicaWorkers(
             [d.short_name for d in logical], [r.enter_thread for r in self._runtimes]
         )
@@ -70,8 +68,9 @@ class MirroredStrategy(Strategy):
         self._finalizer = weakref.finalize(self, self._workers.close, False)
 
     def _execute(self, tasks: Sequence[Callable[[], Any]], rendezvous: Rendezvous) -> list[Outcome]:
+        step_seed = StepSeed()
         for randomness in self._randomness:
-            randomness.reseed_if_needed()
+            randomness.start_step(step_seed)
 
         def straggler_error(stuck: list[int]) -> BaseException:
             names = [self.devices[i].short_name for i in stuck]

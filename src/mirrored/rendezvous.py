@@ -62,7 +62,9 @@ class Rendezvous:
             if len(self._posted) == self.num_replicas:
                 labels = {rid: posted[0] for rid, posted in self._posted.items()}
                 if len(set(labels.values())) > 1:
-                    detail = ", ".join(f"replica {r} at {lbl!r}" for r, lbl in sorted(labels.items()))
+                    detail = ", ".join(
+                        f"replica {r} at {lbl!r}" for r, lbl in sorted(labels.items())
+                    )
                     self._abort_locked(
                         SyncMismatchError(
                             f"replicas reached different sync points ({detail}); every replica "
@@ -75,7 +77,9 @@ class Rendezvous:
                 self._generation += 1
                 self._cond.notify_all()
                 return self._last_values
-            deadline = None if self.timeout_seconds is None else time.monotonic() + self.timeout_seconds
+            deadline = (
+                None if self.timeout_seconds is None else time.monotonic() + self.timeout_seconds
+            )
             while self._generation == generation and self.abort_reason is None:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:

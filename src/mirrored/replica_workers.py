@@ -79,8 +79,10 @@ class ReplicaWorkers:
         deadline: float | None = None
         with self._done:
             while any(o is None for o in self._outcomes):
-                if deadline is None and straggler_timeout is not None and any(
-                    o is not None for o in self._outcomes
+                if (
+                    deadline is None
+                    and straggler_timeout is not None
+                    and any(o is not None for o in self._outcomes)
                 ):
                     deadline = time.monotonic() + straggler_timeout
                 remaining = None if deadline is None else deadline - time.monotonic()

@@ -49,7 +49,9 @@ class Strategy:
         timeout_seconds: float | None,
     ) -> None:
         if timeout_seconds is not None and timeout_seconds <= 0:
-            raise ValueError(f"timeout_seconds={timeout_seconds}: expected a positive number or None")
+            raise ValueError(
+                f"timeout_seconds={timeout_seconds}: expected a positive number or None"
+            )
         self.devices: tuple[LogicalDevice, ...] = tuple(devices)
         self.cross_device_ops = cross_device_ops
         self.timeout_seconds = timeout_seconds
@@ -128,14 +130,11 @@ class Strategy:
     ) -> BaseException:
         """The error to raise: the first real failure (not a released replica), annotated."""
         real = [(i, e) for i, e in failures if not isinstance(e, ReplicaAbortedError)]
-        for replica_id, error in real:
-            if error is rendezvous.abort_reason or len(real) == 1:
-                break
-        else:
-            if not real:
-                assert rendezvous.abort_reason is not None
-                return rendezvous.abort_reason
-            replica_id, error = real[0]
+        if not real:
+            assert rendezvous.abort_reason is not None
+            return rendezvous.abort_reason
+        # The replica that failed first is the one whose error aborted the rendezvous.
+        replica_id, error = next(((i, e) for i, e in real if e is rendezvous.abort_reason), real[0])
         note = (
             f"raised in replica {replica_id} of {self.num_replicas_in_sync} "
             f"(device {self.devices[replica_id].short_name})"
@@ -188,7 +187,11 @@ class Strategy:
 
     def _reduce_leaf(self, op: ReduceOp, value: Any, axis: int | None) -> torch.Tensor:
         parts = self.experimental_local_results(value)
-        if not isinstance(value, PerReplica) and op is ReduceOp.SUM and self.num_replicas_in_sync > 1:
+        if (
+            not isinstance(value, PerReplica)
+            and op is ReduceOp.SUM
+            and self.num_replicas_in_sync > 1
+        ):
             raise ValueError(
                 f"cannot SUM {type(value).__name__} {value!r}: it is not a per-replica value; "
                 "pass a result of strategy.run"
@@ -237,12 +240,10 @@ class Strategy:
         self, value_fn: Callable[[ValueContext], Any]
     ) -> Any:
         """A PerReplica of ``value_fn(ValueContext(replica_id, n))``, tensors on each device."""
-        values = []
-        for replica_id, device in enumerate(self.torch_devices):
-            value = value_fn(ValueContext(replica_id, self.num_replicas_in_sync))
-            values.append(
-                map_structure(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, value)
-            )
+        values = [
+            _to_device(value_fn(ValueContext(replica_id, self.num_replicas_in_sync)), device)
+            for replica_id, device in enumerate(self.torch_devices)
+        ]
         return regroup(values) if self.num_replicas_in_sync > 1 else PerReplica(values)
 
     # -- models -----------------------------------------------------------------------------------
@@ -281,6 +282,10 @@ class Strategy:
         self.close()
 
 
+def _to_device(structure: Any, device: torch.device) -> Any:
+    return map_structure(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, structure)
+
+
 def _global_batch_size(args: Sequence[Any], kwargs: dict[str, Any]) -> int | None:
     """The global batch size of the distributed batch among the arguments, if any."""
     for leaf in flatten((tuple(args), kwargs)):
@@ -308,7 +313,7 @@ class _DefaultStrategy(Strategy):
         except BaseException as error:
             return [(False, error)]
 
-    def mirror(  # type: ignore[override]
+    def mirror(
         self,
         module: torch.nn.Module,
         optimizer: torch.optim.Optimizer | None = None,

@@ -70,7 +70,7 @@ def flatten(structure: Any) -> list[Any]:
 
 
 def select_replica(replica_id: int, structure: Any) -> Any:
-    """The structure as replica ``replica_id`` sees it: each PerReplica leaf replaced by its part."""
+    """The structure as replica ``replica_id`` sees it: PerReplica leaves replaced by its part."""
     return map_structure(
         lambda v: v.values[replica_id] if isinstance(v, PerReplica) else v, structure
     )

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Set up a virtual environment and run everything CI runs: lint, format, type check, all tests.
+# Usage: bash scripts/test.sh [pytest arguments]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+# torch is pinned to the CPU build shipped on this project's machines; pyproject keeps a loose range.
+.venv/bin/pip install -q torch==2.13.0
+.venv/bin/pip install -q -e ".[test]"
+
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+.venv/bin/mypy
+.venv/bin/python -m pytest -q "$@"

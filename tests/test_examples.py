@@ -1,0 +1,46 @@
+"""The examples run as users run them: as scripts, in a fresh process."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_custom_training_loop_learns_the_digits():
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "examples" / "custom_training_loop.py"),
+            "--devices",
+            "3",
+            "--epochs",
+            "4",
+            "--batch-size",
+            "50",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=True,
+    )
+    epochs = re.findall(
+        r"train loss ([\d.]+) acc ([\d.]+)  test loss ([\d.]+) acc ([\d.]+)", result.stdout
+    )
+    assert len(epochs) == 4, result.stdout
+    losses = [float(e[0]) for e in epochs]
+    assert losses == sorted(losses, reverse=True), "training loss must fall every epoch"
+    assert float(epochs[-1][3]) > 0.85, result.stdout
+
+
+def test_custom_training_loop_rejects_bad_arguments():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "custom_training_loop.py"), "--devices", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2 and "--devices 0: expected a positive integer" in result.stderr

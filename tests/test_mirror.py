@@ -1,0 +1,210 @@
+"""Mirrored modules and optimizers: proxies, state, hyperparameters, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mirrored
+from tests.training import (
+    OPTIMIZERS,
+    assert_replicas_identical,
+    assert_same_parameters,
+    make_batches,
+    make_mlp,
+    train_mirrored,
+    train_plain,
+)
+
+DEVICES = ["cpu:0", "cpu:1", "cpu:2"]
+
+
+@pytest.fixture
+def strategy():
+    with mirrored.MirroredStrategy(DEVICES) as strategy:
+        yield strategy
+
+
+def test_replica_zero_is_the_original_module_and_state_is_plain(strategy):
+    module = make_mlp()
+    optimizer = torch.optim.Adam(module.parameters())
+    model, mirrored_optimizer = strategy.mirror(module, optimizer)
+    assert model.module is module and model.replicas[0] is module
+    assert mirrored_optimizer.optimizer is optimizer
+    assert list(model.state_dict()) == list(make_mlp().state_dict())  # no "module." prefix
+    assert all(
+        a is not b
+        for a, b in zip(model.replicas[0].parameters(), model.replicas[1].parameters(), strict=True)
+    )
+    assert_replicas_identical(model)
+    assert "MirroredModule(replicas=3" in repr(model)
+
+
+def test_calls_resolve_to_the_current_replica(strategy):
+    model = strategy.mirror(make_mlp())
+    replicas = strategy.run(lambda: id(model._current()))
+    assert strategy.experimental_local_results(replicas) == tuple(id(r) for r in model.replicas)
+    assert model.training
+    model.eval()
+    assert not any(r.training for r in model.replicas)
+    assert model(torch.zeros(2, 12)).shape == (2, 5)  # cross-replica: replica 0
+
+
+def test_checkpoint_written_with_three_replicas_restores_with_two(strategy):
+    batches = make_batches()
+    model = make_mlp()
+    trained, optimizer, _ = train_mirrored(strategy, model, OPTIMIZERS["adam"](model), batches[:6])
+    state = {"model": trained.state_dict(), "optimizer": optimizer.state_dict()}
+
+    reference = make_mlp()
+    reference_optimizer = OPTIMIZERS["adam"](reference)
+    train_plain(reference, reference_optimizer, batches)
+
+    with mirrored.MirroredStrategy(["cpu:2", "cpu:3"]) as other:
+        model = make_mlp(seed=99)
+        new_optimizer = OPTIMIZERS["adam"](model)
+        restored, restored_optimizer = other.mirror(model, new_optimizer)
+        restored.load_state_dict(state["model"])
+        restored_optimizer.load_state_dict(state["optimizer"])
+        assert_replicas_identical(restored)
+        _continue_training(other, restored, restored_optimizer, batches[6:])
+    assert_same_parameters(reference, restored)
+
+
+def _continue_training(strategy, model, optimizer, batches):
+    def step(batch):
+        x, y = batch
+        loss = mirrored.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    for batch in strategy.experimental_distribute_dataset(batches):
+        strategy.run(step, args=(batch,))
+
+
+def test_lr_scheduler_on_the_original_optimizer_drives_every_replica(strategy):
+    batches = make_batches()
+    reference = make_mlp()
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    reference_scheduler = torch.optim.lr_scheduler.StepLR(reference_optimizer, 3, gamma=0.5)
+    for x, y in batches:
+        F.cross_entropy(reference(x), y).backward()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+        reference_scheduler.step()
+
+    module = make_mlp()
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 3, gamma=0.5)
+    model, mirrored_optimizer = strategy.mirror(module, optimizer)
+    for batch in strategy.experimental_distribute_dataset(batches):
+        _one_step(strategy, model, mirrored_optimizer, batch)
+        scheduler.step()  # in cross-replica context, once per step
+    assert mirrored_optimizer.param_groups[0]["lr"] == reference_optimizer.param_groups[0]["lr"]
+    assert_same_parameters(reference, model)
+    assert_replicas_identical(model)
+
+
+def _one_step(strategy, model, optimizer, batch):
+    def step(batch):
+        x, y = batch
+        mirrored.compute_average_loss(F.cross_entropy(model(x), y, reduction="none")).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    strategy.run(step, args=(batch,))
+
+
+def test_parameters_without_gradient_stay_untouched(strategy):
+    class TwoHeads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used = nn.Linear(3, 1)
+            self.unused = nn.Linear(3, 1)
+
+        def forward(self, x):
+            return self.used(x)
+
+    module = TwoHeads()
+    before = module.unused.weight.detach().clone()
+    model, optimizer = strategy.mirror(
+        module, torch.optim.SGD(module.parameters(), lr=0.1, weight_decay=0.1)
+    )
+    (batch,) = strategy.experimental_distribute_dataset([torch.ones(6, 3)])
+    strategy.run(lambda x: (model(x).sum().backward(), optimizer.step()), args=(batch,))
+    assert torch.equal(model.unused.weight, before)
+    assert all(r.unused.weight.grad is None for r in model.replicas)
+
+
+def test_errors_are_clear(strategy):
+    module = make_mlp()
+    foreign = torch.optim.SGD(make_mlp().parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="not in the module"):
+        strategy.mirror(module, foreign)
+    with pytest.raises(TypeError, match=r"expected a torch\.nn\.Module"):
+        strategy.mirror("model")
+    with pytest.raises(TypeError, match=r"expected a torch\.optim\.Optimizer"):
+        strategy.mirror(module, "adam")
+    model, optimizer = strategy.mirror(module, torch.optim.SGD(module.parameters(), lr=0.1))
+    with pytest.raises(TypeError, match="already mirrored"):
+        strategy.mirror(model)
+    with pytest.raises(AttributeError, match="cannot set 'flag'"):
+        model.flag = True
+    with pytest.raises(RuntimeError, match=r"must be called inside strategy\.run"):
+        optimizer.step()
+    with pytest.raises(TypeError, match="closure"):
+        strategy.run(lambda: optimizer.step(closure=lambda: 0.0))
+
+
+def test_sparse_gradients_are_rejected(strategy):
+    module = nn.Embedding(10, 4, sparse=True)
+    model, optimizer = strategy.mirror(module, torch.optim.SGD(module.parameters(), lr=0.1))
+
+    def step():
+        model(torch.tensor([1, 2])).sum().backward()
+        optimizer.step()
+
+    with pytest.raises(TypeError, match="sparse gradient"):
+        strategy.run(step)
+
+
+def test_zero_grad_inside_a_replica_touches_only_that_replica(strategy):
+    module = nn.Linear(2, 1)
+    model, optimizer = strategy.mirror(module, torch.optim.SGD(module.parameters(), lr=0.1))
+    strategy.run(lambda: model(torch.ones(1, 2)).sum().backward())
+    strategy.run(
+        lambda: (
+            optimizer.zero_grad()
+            if mirrored.get_replica_context().replica_id_in_sync_group == 0
+            else None
+        )
+    )
+    assert model.replicas[0].weight.grad is None and model.replicas[1].weight.grad is not None
+    optimizer.zero_grad()
+    model.zero_grad()
+    assert all(r.weight.grad is None for r in model.replicas)
+
+
+def test_default_strategy_leaves_module_and_optimizer_alone():
+    module = nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    assert mirrored.get_strategy().mirror(module, optimizer) == (module, optimizer)
+    assert mirrored.get_strategy().mirror(module) is module
+
+
+def test_mirroring_an_optimizer_that_already_has_state(strategy):
+    batches = make_batches()
+    reference = make_mlp()
+    reference_optimizer = OPTIMIZERS["adam"](reference)
+    train_plain(reference, reference_optimizer, batches)
+
+    module = make_mlp()
+    optimizer = OPTIMIZERS["adam"](module)
+    train_plain(module, optimizer, batches[:4])  # Adam moments exist before mirroring
+    model, mirrored_optimizer = strategy.mirror(module, optimizer)
+    _continue_training(strategy, model, mirrored_optimizer, batches[4:])
+    assert_same_parameters(reference, model)
+    assert_replicas_identical(model)

@@ -1,0 +1,155 @@
+"""Failures never hang: errors are raised in the caller naming the replica, others released."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+import mirrored
+from mirrored.rendezvous import Rendezvous, ReplicaAbortedError, SyncMismatchError, SyncTimeoutError
+
+
+def _in_threads(num_replicas, body):
+    """Run body(replica_id) on threads; return each outcome (value or exception)."""
+    outcomes = [None] * num_replicas
+
+    def target(replica_id):
+        try:
+            outcomes[replica_id] = body(replica_id)
+        except BaseException as error:
+            outcomes[replica_id] = error
+
+    threads = [threading.Thread(target=target, args=(i,)) for i in range(num_replicas)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert not any(t.is_alive() for t in threads), "a replica hung"
+    return outcomes
+
+
+def test_exchange_returns_every_value_in_replica_order():
+    rendezvous = Rendezvous(3, timeout_seconds=10)
+    outcomes = _in_threads(3, lambda i: [rendezvous.exchange(i, "x", i * 10) for _ in range(5)])
+    assert outcomes == [[[0, 10, 20]] * 5] * 3
+
+
+def test_different_labels_are_a_mismatch_for_everyone():
+    rendezvous = Rendezvous(2, timeout_seconds=10)
+    outcomes = _in_threads(2, lambda i: rendezvous.exchange(i, f"point-{i}", None))
+    assert all(isinstance(o, ReplicaAbortedError) for o in outcomes)
+    assert isinstance(rendezvous.abort_reason, SyncMismatchError)
+    assert "replica 0 at 'point-0'" in str(rendezvous.abort_reason)
+
+
+def test_a_replica_that_returns_early_releases_the_waiting_one():
+    rendezvous = Rendezvous(2, timeout_seconds=10)
+
+    def body(replica_id):
+        try:
+            if replica_id == 1:
+                time.sleep(0.05)
+                return "done"
+            return rendezvous.exchange(replica_id, "optimizer.step", None)
+        finally:
+            rendezvous.finish(replica_id)
+
+    outcomes = _in_threads(2, body)
+    assert isinstance(outcomes[0], ReplicaAbortedError) and outcomes[1] == "done"
+    assert "replica 0 waits at sync point 'optimizer.step'" in str(rendezvous.abort_reason)
+
+
+def test_a_missing_replica_times_out_with_its_id():
+    rendezvous = Rendezvous(3, timeout_seconds=0.2)
+    outcomes = _in_threads(3, lambda i: None if i == 2 else rendezvous.exchange(i, "x", i))
+    assert isinstance(rendezvous.abort_reason, SyncTimeoutError)
+    assert "replica(s) [2] did not reach sync point 'x'" in str(rendezvous.abort_reason)
+    assert outcomes[2] is None
+
+
+def test_exception_in_one_replica_is_raised_with_its_id_and_releases_the_others():
+    with mirrored.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"]) as strategy:
+
+        def fn():
+            replica = mirrored.get_replica_context()
+            if replica.replica_id_in_sync_group == 1:
+                raise KeyError("boom")
+            return replica.all_reduce("sum", torch.ones(1))  # the others wait here
+
+        with pytest.raises(KeyError, match="boom") as info:
+            strategy.run(fn)
+        if hasattr(info.value, "__notes__"):
+            assert "raised in replica 1 of 3 (device cpu:1)" in info.value.__notes__
+        assert any(frame.name == "fn" for frame in info.traceback)  # the original traceback
+        # The strategy stays usable.
+        assert strategy.reduce("sum", strategy.run(lambda: torch.ones(1)), axis=None).item() == 3
+
+
+def test_replicas_making_different_numbers_of_sync_calls_get_an_error():
+    with mirrored.MirroredStrategy(["cpu:0", "cpu:1"], timeout_seconds=30) as strategy:
+
+        def fn():
+            replica = mirrored.get_replica_context()
+            for _ in range(1 + replica.replica_id_in_sync_group):
+                replica.all_reduce("sum", torch.ones(1))
+
+        started = time.monotonic()
+        with pytest.raises(SyncMismatchError, match="every replica must make the same sync"):
+            strategy.run(fn)
+        assert time.monotonic() - started < 10
+
+
+def test_an_optimizer_step_on_only_some_replicas_is_an_error():
+    with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
+        model, optimizer = _mirror_linear(strategy)
+
+        def fn():
+            model(torch.ones(1, 2)).sum().backward()
+            if mirrored.get_replica_context().replica_id_in_sync_group == 0:
+                optimizer.step()
+
+        with pytest.raises(SyncMismatchError, match=r"optimizer\.step"):
+            strategy.run(fn)
+
+
+def _mirror_linear(strategy):
+    module = torch.nn.Linear(2, 1)
+    return strategy.mirror(module, torch.optim.SGD(module.parameters(), lr=0.1))
+
+
+def test_a_replica_stuck_outside_sync_points_fails_the_run_and_marks_the_strategy_broken():
+    release = threading.Event()
+    strategy = mirrored.MirroredStrategy(["cpu:0", "cpu:1"], timeout_seconds=0.3)
+    try:
+
+        def fn():
+            if mirrored.get_replica_context().replica_id_in_sync_group == 1:
+                release.wait(30)
+
+        with pytest.raises(SyncTimeoutError, match=r"replica\(s\) \[1\] on \['cpu:1'\]"):
+            strategy.run(fn)
+        with pytest.raises(RuntimeError, match="unusable"):
+            strategy.run(fn)
+    finally:
+        release.set()
+        strategy.close()
+
+
+def test_close_stops_threads_and_run_after_close_is_an_error():
+    strategy = mirrored.MirroredStrategy(["cpu:0", "cpu:1"])
+    names = {t.name for t in threading.enumerate()}
+    assert {"mirrored-replica-0-cpu:0", "mirrored-replica-1-cpu:1"} <= names
+    strategy.close()
+    strategy.close()  # idempotent
+    assert not [t for t in threading.enumerate() if t.name.startswith("mirrored-replica-")]
+    with pytest.raises(RuntimeError, match="closed"):
+        strategy.run(lambda: None)
+
+
+def test_threads_end_when_an_unclosed_strategy_is_collected():
+    strategy = mirrored.MirroredStrategy(["cpu:0", "cpu:1"])
+    strategy.run(lambda: None)
+    del strategy  # the autouse hygiene fixture checks that no replica thread survives
