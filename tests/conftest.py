@@ -52,6 +52,18 @@ def hygiene() -> Iterator[None]:
         assert not torch.distributed.is_initialized(), "the test left a process group"
 
 
+@pytest.fixture
+def fresh_config() -> Iterator[None]:
+    """Forget the session's device configuration for one test, then restore it."""
+    config._reset_for_tests()
+    yield
+    config._reset_for_tests()
+    config.set_logical_device_configuration(
+        config.list_physical_devices("CPU")[0],
+        [config.LogicalDeviceConfiguration()] * NUM_LOGICAL_CPUS,
+    )
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     skip_cuda = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -12,17 +10,6 @@ from mirrored import config
 from tests.conftest import NUM_LOGICAL_CPUS
 
 CPU = config.list_physical_devices("CPU")[0]
-
-
-@pytest.fixture
-def fresh_config() -> Iterator[None]:
-    """Forget the session's configuration for one test, then restore it."""
-    config._reset_for_tests()
-    yield
-    config._reset_for_tests()
-    config.set_logical_device_configuration(
-        CPU, [config.LogicalDeviceConfiguration()] * NUM_LOGICAL_CPUS
-    )
 
 
 def test_physical_devices_by_type():

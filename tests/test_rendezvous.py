@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
@@ -131,7 +133,7 @@ def test_a_replica_stuck_outside_sync_points_fails_the_run_and_marks_the_strateg
 
         with pytest.raises(SyncTimeoutError, match=r"replica\(s\) \[1\] on \['cpu:1'\]"):
             strategy.run(fn)
-        with pytest.raises(RuntimeError, match="unusable"):
+        with pytest.raises(RuntimeError, match=r"unusable: replicas on \['cpu:1'\] are stuck"):
             strategy.run(fn)
     finally:
         release.set()
@@ -153,3 +155,60 @@ def test_threads_end_when_an_unclosed_strategy_is_collected():
     strategy = mirrored.MirroredStrategy(["cpu:0", "cpu:1"])
     strategy.run(lambda: None)
     del strategy  # the autouse hygiene fixture checks that no replica thread survives
+
+
+def test_run_inside_a_replica_function_is_an_error_not_a_deadlock():
+    with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
+        with pytest.raises(RuntimeError, match="inside a replica function"):
+            strategy.run(lambda: strategy.run(lambda: None))
+
+        def merge():
+            replica = mirrored.get_replica_context()
+            return replica.merge_call(lambda s: s.run(lambda: None))
+
+        with pytest.raises(RuntimeError, match="inside a replica function"):
+            strategy.run(merge)
+        assert strategy.run(lambda: 1) == 1
+
+
+def test_runs_from_two_caller_threads_do_not_interleave():
+    with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
+        results = {}
+
+        def caller(tag):
+            results[tag] = [
+                strategy.experimental_local_results(
+                    strategy.run(
+                        lambda: (
+                            tag,
+                            mirrored.get_replica_context().all_reduce("sum", torch.ones(1)).item(),
+                        )
+                    )
+                )
+                for _ in range(20)
+            ]
+
+        threads = [threading.Thread(target=caller, args=(tag,)) for tag in "ab"]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        assert results["a"] == [(("a", 2.0), ("a", 2.0))] * 20
+        assert results["b"] == [(("b", 2.0), ("b", 2.0))] * 20
+
+
+def test_ctrl_c_while_replicas_run_releases_them_and_keeps_the_strategy_usable():
+    with mirrored.MirroredStrategy(["cpu:0", "cpu:1"], timeout_seconds=30) as strategy:
+
+        def fn():
+            replica = mirrored.get_replica_context()
+            if replica.replica_id_in_sync_group == 0:
+                os.kill(os.getpid(), signal.SIGINT)  # as Ctrl-C would, while replica 1 waits
+                time.sleep(0.5)
+            replica.all_reduce("sum", torch.ones(1))
+
+        started = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            strategy.run(fn)
+        assert time.monotonic() - started < 10
+        assert strategy.reduce("sum", strategy.run(lambda: torch.ones(1)), axis=None).item() == 2

@@ -154,6 +154,11 @@ def strategy_scope(strategy: Strategy) -> Iterator[None]:
         stack.pop()
 
 
+def in_merge_call() -> bool:
+    """True while a merge call's function runs on a replica thread."""
+    return _state.in_merge
+
+
 def current_replica_context() -> ReplicaContext | None:
     """The replica context of this thread while a replica function runs, else None."""
     return None if _state.in_merge else _state.replica_context

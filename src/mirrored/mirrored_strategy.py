@@ -14,7 +14,7 @@ from mirrored.config import DeviceSpec, LogicalDevice
 from mirrored.cross_device_ops import CrossDeviceOps, choose_cross_device_ops
 from mirrored.device_runtime import ReplicaDeviceRuntime, cap_process_memory
 from mirrored.randomness import ReplicaRandomness, StepSeed
-from mirrored.rendezvous import Rendezvous, SyncTimeoutError
+from mirrored.rendezvous import Rendezvous
 from mirrored.replica_workers import Outcome, ReplicaWorkers
 from mirrored.strategy import Strategy
 
@@ -72,16 +72,7 @@ class MirroredStrategy(Strategy):
         for randomness in self._randomness:
             randomness.start_step(step_seed)
 
-        def straggler_error(stuck: list[int]) -> BaseException:
-            names = [self.devices[i].short_name for i in stuck]
-            error = SyncTimeoutError(
-                f"replica(s) {stuck} on {names} did not finish within {self.timeout_seconds} s "
-                "of the others; they are stuck in the replica function outside any sync point"
-            )
-            rendezvous.abort(error)
-            return error
-
-        return self._workers.run(tasks, self.timeout_seconds, straggler_error)
+        return self._workers.run(tasks, self.timeout_seconds, rendezvous.abort)
 
     @contextmanager
     def _replica_scope(self, replica_id: int) -> Iterator[None]:

@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from mirrored.rendezvous import SyncTimeoutError
+
 __all__ = ["Outcome", "ReplicaWorkers"]
 
 _STOP = object()
@@ -28,6 +30,8 @@ class ReplicaWorkers:
         self._queues: list[queue.SimpleQueue[Any]] = [queue.SimpleQueue() for _ in names]
         self._done = threading.Condition()
         self._outcomes: list[Outcome | None] = []
+        self._names = list(names)
+        self._run_lock = threading.Lock()
         self.broken: str | None = None
         self._threads = [
             threading.Thread(
@@ -59,42 +63,61 @@ class ReplicaWorkers:
     def run(
         self,
         tasks: Sequence[Callable[[], Any]],
-        straggler_timeout: float | None,
-        on_straggler: Callable[[list[int]], BaseException],
+        timeout_seconds: float | None,
+        abort: Callable[[BaseException], None],
     ) -> list[Outcome]:
-        """Run ``tasks[i]`` on thread ``i``; return every outcome.
+        """Run ``tasks[i]`` on thread ``i``; return every outcome. One run at a time.
 
-        Once one replica has finished, the rest must finish within ``straggler_timeout`` seconds
-        (a replica stuck outside any sync point); otherwise the workers are marked broken and
-        ``on_straggler(stuck_replica_ids)`` is raised.
+        Once one replica has finished, the rest must finish within ``timeout_seconds`` (else a
+        replica is stuck outside any sync point: ``SyncTimeoutError``). If waiting is interrupted
+        (Ctrl-C in a notebook, or that timeout), ``abort(reason)`` releases the replicas and the
+        workers are drained before the error propagates, so the next run starts clean; workers
+        that cannot be drained leave the strategy marked unusable.
         """
-        if self.broken is not None:
-            raise RuntimeError(self.broken)
-        if not self._threads or not self._threads[0].is_alive():
-            raise RuntimeError("the strategy is closed; create a new one")
-        with self._done:
-            self._outcomes = [None] * len(self._threads)
-        for q, task in zip(self._queues, tasks, strict=True):
-            q.put(task)
+        with self._run_lock:
+            if self.broken is not None:
+                raise RuntimeError(self.broken)
+            if not self._threads:
+                raise RuntimeError("the strategy is closed; create a new one")
+            with self._done:
+                self._outcomes = [None] * len(self._threads)
+            for q, task in zip(self._queues, tasks, strict=True):
+                q.put(task)
+            try:
+                self._wait_for_all(timeout_seconds)
+            except BaseException as reason:
+                abort(reason)
+                try:
+                    self._wait_for_all(timeout_seconds)
+                except BaseException:
+                    stuck = [self._names[i] for i, o in enumerate(self._outcomes) if o is None]
+                    self.broken = f"the strategy is unusable: replicas on {stuck} are stuck"
+                raise
+            with self._done:
+                outcomes = [o for o in self._outcomes if o is not None]
+                self._outcomes = []
+            return outcomes
+
+    def _wait_for_all(self, timeout_seconds: float | None) -> None:
         deadline: float | None = None
         with self._done:
             while any(o is None for o in self._outcomes):
                 if (
                     deadline is None
-                    and straggler_timeout is not None
+                    and timeout_seconds is not None
                     and any(o is not None for o in self._outcomes)
                 ):
-                    deadline = time.monotonic() + straggler_timeout
+                    deadline = time.monotonic() + timeout_seconds
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     stuck = [i for i, o in enumerate(self._outcomes) if o is None]
-                    error = on_straggler(stuck)
-                    self.broken = f"the strategy is unusable: {error}"
-                    raise error
-                self._done.wait(remaining if remaining is not None else 1.0)
-            outcomes = [o for o in self._outcomes if o is not None]
-            self._outcomes = []
-        return outcomes
+                    raise SyncTimeoutError(
+                        f"replica(s) {stuck} on {[self._names[i] for i in stuck]} did not finish "
+                        f"within {timeout_seconds} s of the others; they are stuck in the replica "
+                        "function outside any sync point"
+                    )
+                # Wake up regularly so that Ctrl-C is noticed promptly.
+                self._done.wait(min(remaining, 0.5) if remaining is not None else 0.5)
 
     def close(self, wait: bool = True) -> None:
         """Stop the threads (after their current task); idempotent."""

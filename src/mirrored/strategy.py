@@ -84,6 +84,11 @@ class Strategy:
         Returns the results regrouped: a PerReplica where replicas differ. An exception in a
         replica is raised here, naming the replica; the other replicas are released.
         """
+        if context.current_replica_context() is not None or context.in_merge_call():
+            raise RuntimeError(
+                "strategy.run() was called inside a replica function; call it from the training "
+                "loop (cross-replica context), once per step"
+            )
         kwargs = kwargs or {}
         global_batch_size = _global_batch_size(args, kwargs)
         rendezvous = Rendezvous(self.num_replicas_in_sync, self.timeout_seconds)

@@ -1,0 +1,70 @@
+"""CUDA paths: logical devices on one GPU (streams, memory limits), NCCL across GPUs.
+
+Skipped without a GPU (the ``cuda`` marker); run them with ``pytest -m cuda`` on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mirrored
+from mirrored import config
+from tests.training import (
+    OPTIMIZERS,
+    assert_replicas_identical,
+    assert_same_parameters,
+    make_batches,
+    make_mlp,
+    train_mirrored,
+    train_plain,
+)
+
+pytestmark = pytest.mark.cuda
+
+
+def _split_first_gpu(count, memory_limit=None):
+    gpu = config.list_physical_devices("GPU")[0]
+    config.set_logical_device_configuration(
+        gpu, [config.LogicalDeviceConfiguration(memory_limit)] * count
+    )
+    return [f"cuda:{i}" for i in range(count)]
+
+
+@pytest.mark.parametrize("optimizer_name", sorted(OPTIMIZERS))
+def test_logical_gpus_match_the_single_gpu_loop(fresh_config, optimizer_name):
+    devices = _split_first_gpu(3, memory_limit=1024)
+    batches = [(x.cuda(), y.cuda()) for x, y in make_batches()]
+    reference = make_mlp().cuda()
+    train_plain(reference, OPTIMIZERS[optimizer_name](reference), batches)
+    with mirrored.MirroredStrategy(devices) as strategy:
+        assert isinstance(strategy.cross_device_ops, mirrored.HierarchicalCopyAllReduce)
+        model = make_mlp()
+        trained, _, _ = train_mirrored(strategy, model, OPTIMIZERS[optimizer_name](model), batches)
+    assert_same_parameters(reference, trained)
+    assert_replicas_identical(trained)
+
+
+def test_a_replica_over_its_memory_limit_fails_naming_its_logical_device(fresh_config):
+    devices = _split_first_gpu(2, memory_limit=64)
+    with mirrored.MirroredStrategy(devices) as strategy:
+
+        def allocate():
+            replica = mirrored.get_replica_context()
+            size = (128 << 20) if replica.replica_id_in_sync_group == 1 else 1024
+            return torch.empty(size, dtype=torch.uint8, device="cuda")
+
+        with pytest.raises(torch.OutOfMemoryError, match="logical device cuda:1"):
+            strategy.run(allocate)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_nccl_across_physical_gpus_matches_one_gpu():
+    batches = [(x.cuda(), y.cuda()) for x, y in make_batches()]
+    reference = make_mlp().cuda()
+    train_plain(reference, OPTIMIZERS["adam"](reference), batches)
+    with mirrored.MirroredStrategy(["cuda:0", "cuda:1"]) as strategy:
+        assert isinstance(strategy.cross_device_ops, mirrored.NcclAllReduce)
+        model = make_mlp()
+        trained, _, _ = train_mirrored(strategy, model, OPTIMIZERS["adam"](model), batches)
+    assert_same_parameters(reference, trained)
