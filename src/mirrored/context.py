@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -118,24 +118,23 @@ class ReplicaContext:
 
 
 @contextmanager
-def _merge_scope() -> Iterator[None]:
-    previous = _state.in_merge
-    _state.in_merge = True
+def _thread_state(name: str, value: Any) -> Iterator[None]:
+    """Set one field of this thread's state for the duration of a block."""
+    previous = getattr(_state, name)
+    setattr(_state, name, value)
     try:
         yield
     finally:
-        _state.in_merge = previous
+        setattr(_state, name, previous)
 
 
-@contextmanager
-def replica_scope(context: ReplicaContext) -> Iterator[None]:
+def _merge_scope() -> AbstractContextManager[None]:
+    return _thread_state("in_merge", True)
+
+
+def replica_scope(context: ReplicaContext) -> AbstractContextManager[None]:
     """Enter a replica context on this thread (used by strategies around the replica function)."""
-    previous = _state.replica_context
-    _state.replica_context = context
-    try:
-        yield
-    finally:
-        _state.replica_context = previous
+    return _thread_state("replica_context", context)
 
 
 @contextmanager
