@@ -211,3 +211,15 @@ def test_constructor_errors_name_the_problem():
         mirrored.MirroredStrategy(["cpu:0"], "nccl")
     with pytest.raises(ValueError, match="timeout_seconds=0"):
         mirrored.MirroredStrategy(["cpu:0"], timeout_seconds=0)
+
+
+def test_reduce_to_device_accepts_any_device_name():
+    ops = mirrored.ReductionToOneDevice(reduce_to_device="/device:CPU:1")
+    assert ops.reduce_to_device.short_name == "cpu:1"
+    with pytest.raises(ValueError, match="does not exist"):
+        mirrored.ReductionToOneDevice(reduce_to_device="cpu:99")
+    with mirrored.MirroredStrategy(["cpu:0", "cpu:1"], ops) as strategy:
+        total = strategy.run(
+            lambda: mirrored.get_replica_context().all_reduce("sum", torch.arange(3.0))
+        )
+        assert [t.tolist() for t in total.values] == [[0.0, 2.0, 4.0]] * 2

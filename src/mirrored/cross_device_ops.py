@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from mirrored.bucketing import Bucket, plan_buckets
-from mirrored.config import LogicalDevice
+from mirrored.config import DeviceSpec, LogicalDevice, resolve_devices
 from mirrored.rendezvous import ReplicaExchange
 from mirrored.values import ReduceOp
 
@@ -87,18 +87,22 @@ class ReductionToOneDevice(CrossDeviceOps):
 
     def __init__(
         self,
-        reduce_to_device: str | torch.device | None = None,
+        reduce_to_device: DeviceSpec | None = None,
         num_packs: int = 1,
         bytes_per_pack: int = 0,
     ) -> None:
         super().__init__(num_packs, bytes_per_pack)
-        self.reduce_to_device = None if reduce_to_device is None else torch.device(reduce_to_device)
+        self.reduce_to_device = (
+            None if reduce_to_device is None else resolve_devices([reduce_to_device])[0]
+        )
 
     def _all_reduce_sum(self, exchange: ReplicaExchange, flat: torch.Tensor) -> None:
         values = exchange.all("all_reduce", flat)
         total = None
         if exchange.replica_id == 0:
-            total = self.reduce(ReduceOp.SUM, values, self.reduce_to_device or flat.device)
+            device = self.reduce_to_device
+            destination = flat.device if device is None else device.torch_device
+            total = self.reduce(ReduceOp.SUM, values, destination)
         total = exchange.all("all_reduce broadcast", total)[0]
         flat.copy_(total, non_blocking=True)
         exchange.barrier("all_reduce done")
