@@ -16,6 +16,8 @@ median over rounds is reported. The two DDP processes are started, joined into o
 and given their data before the first round, then wait idle (blocked on a pipe) while the other
 configurations run; in their turn they build a fresh DDP model, warm up, and time the steps
 between two barriers (rank 0's wall time). Process start-up and group init are not timed.
+``plain`` runs on the main thread of this process, so the mirrored replicas' threads meet a main
+thread that has already run parallel ops, as they would in most training scripts.
 
 Run from the repository root: ``python benchmarks/overhead.py [--json results.json]``.
 """
@@ -104,7 +106,8 @@ def time_mirrored(devices: Sequence[str], warmup: Sequence[Batch], timed: Sequen
     strategy = mirrored.MirroredStrategy(devices=devices)
     try:
         net = make_model()
-        model, optimizer = strategy.mirror(net, torch.optim.Adam(net.parameters(), lr=LEARNING_RATE))
+        adam = torch.optim.Adam(net.parameters(), lr=LEARNING_RATE)
+        model, optimizer = strategy.mirror(net, adam)
 
         def step(batch: Batch) -> torch.Tensor:
             x, y = batch
@@ -203,7 +206,9 @@ class DdpPeer:
             except queue.Empty:
                 dead = [(p.name, p.exitcode) for p in self._processes if not p.is_alive()]
                 if dead:
-                    raise RuntimeError(f"DDP worker(s) exited early (name, exit code): {dead}")
+                    raise RuntimeError(
+                        f"DDP worker(s) exited early (name, exit code): {dead}"
+                    ) from None
 
     def close(self) -> None:
         for process, commands in zip(self._processes, self._commands, strict=True):
@@ -223,12 +228,14 @@ class DdpPeer:
 
 
 def machine_description() -> dict[str, Any]:
+    """What the figures depend on; the load average shows whether something else was running."""
     return {
         "platform": platform.platform(),
         "processor": platform.machine(),
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
         "python": platform.python_version(),
+        "load_average_1min": os.getloadavg()[0],
     }
 
 

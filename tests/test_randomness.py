@@ -89,3 +89,11 @@ def test_training_with_dropout_is_reproducible_bit_for_bit():
     first, second, other = _train_with_dropout(0), _train_with_dropout(0), _train_with_dropout(1)
     assert all(torch.equal(first[k], second[k]) for k in first)
     assert not all(torch.equal(first[k], other[k]) for k in first)
+
+
+def test_one_replica_draws_exactly_what_the_plain_loop_draws():
+    torch.manual_seed(5)
+    expected = F.dropout(torch.ones(32), p=0.5, training=True)
+    with mirrored.MirroredStrategy(["cpu:0"]) as strategy:
+        torch.manual_seed(5)
+        assert torch.equal(strategy.run(lambda: F.dropout(torch.ones(32), 0.5, True)), expected)

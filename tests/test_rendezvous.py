@@ -141,9 +141,13 @@ def test_a_replica_stuck_outside_sync_points_fails_the_run_and_marks_the_strateg
 
 
 def test_close_stops_threads_and_run_after_close_is_an_error():
-    strategy = mirrored.MirroredStrategy(["cpu:0", "cpu:1"])
-    names = {t.name for t in threading.enumerate()}
-    assert {"mirrored-replica-0-cpu:0", "mirrored-replica-1-cpu:1"} <= names
+    strategy = mirrored.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"])
+    names = {t.name for t in threading.enumerate() if t.name.startswith("mirrored-replica-")}
+    # Replica 0 runs on the caller's thread; the others have workers.
+    assert names == {"mirrored-replica-1-cpu:1", "mirrored-replica-2-cpu:2"}
+    caller = threading.get_ident()
+    ids = strategy.run(lambda: threading.get_ident())
+    assert ids.values[0] == caller and caller not in ids.values[1:]
     strategy.close()
     strategy.close()  # idempotent
     assert not [t for t in threading.enumerate() if t.name.startswith("mirrored-replica-")]

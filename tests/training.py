@@ -36,8 +36,15 @@ def make_mlp(features: int = 12, classes: int = 5, seed: int = 1) -> nn.Module:
     )
 
 
+class _ScaledSGD(torch.optim.SGD):
+    """A user-defined optimizer (a subclass counts as unknown): the unsharded update path."""
+
+
 OPTIMIZERS: dict[str, Callable[[nn.Module], torch.optim.Optimizer]] = {
+    "sgd": lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
     "sgd_momentum": lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
+    # Not a per-parameter optimizer known to mirrored: every replica runs the full update.
+    "custom": lambda m: _ScaledSGD(m.parameters(), lr=0.05),
     "adam": lambda m: torch.optim.Adam(m.parameters(), lr=1e-2),
 }
 

@@ -23,7 +23,7 @@ _MIB = 1 << 20
 
 
 class ReplicaDeviceRuntime:
-    """Per-replica device state, created on the caller's thread, entered on the worker's."""
+    """Per-replica device state, entered around each of the replica's tasks."""
 
     def __init__(self, device: LogicalDevice, num_threads: int) -> None:
         self.device = device
@@ -35,24 +35,29 @@ class ReplicaDeviceRuntime:
             if device.memory_limit is not None:
                 self.pool = torch.cuda.MemPool()
 
-    def enter_thread(self) -> None:
-        """Once, on the worker thread: thread count and current CUDA device are per thread."""
-        torch.set_num_threads(self.num_threads)
-        if self.stream is not None:
-            torch.cuda.set_device(self.device.torch_device)
-
     @contextmanager
     def task_scope(self) -> Iterator[None]:
-        """Around each replica task: the stream and memory pool, then the memory check."""
-        if self.stream is None:
-            yield
-            return
-        with ExitStack() as stack:
-            stack.enter_context(torch.cuda.stream(self.stream))
-            if self.pool is not None:
-                stack.enter_context(torch.cuda.use_mem_pool(self.pool, self.device.torch_device))
-            yield
-        self.check_memory()
+        """Around each replica task, on whichever thread runs it (restored afterwards): the
+        replica's share of intra-op threads, and on CUDA its device, stream and memory pool."""
+        threads = torch.get_num_threads()
+        if threads != self.num_threads:
+            torch.set_num_threads(self.num_threads)
+        try:
+            if self.stream is None:
+                yield
+                return
+            with ExitStack() as stack:
+                stack.enter_context(torch.cuda.device(self.device.torch_device))
+                stack.enter_context(torch.cuda.stream(self.stream))
+                if self.pool is not None:
+                    stack.enter_context(
+                        torch.cuda.use_mem_pool(self.pool, self.device.torch_device)
+                    )
+                yield
+            self.check_memory()
+        finally:
+            if threads != self.num_threads:
+                torch.set_num_threads(threads)
 
     def check_memory(self) -> None:
         if self.pool is None or self.device.memory_limit is None:

@@ -19,6 +19,7 @@ from torch import nn
 from mirrored.batch_norm import convert_sync_batch_norm, running_stat_buffers
 from mirrored.bucketing import PackedTensors
 from mirrored.context import ReplicaContext, current_replica_context
+from mirrored.sharded_update import PER_PARAMETER_OPTIMIZERS, ShardedUpdate
 from mirrored.values import ReduceOp
 
 if TYPE_CHECKING:
@@ -103,6 +104,15 @@ class MirroredOptimizer:
         self._params = [list(p) for p in params]
         self._running_stats = [list(b) for b in running_stats]
         self._packed: list[dict[tuple[bool, ...], PackedTensors]] = [{} for _ in optimizers]
+        # Replicas sharing one device's memory update each parameter once (sharded_update.py).
+        shared_memory = len({p[0].device for p in self._params if p}) == 1
+        self._sharded: ShardedUpdate | None = None
+        if (
+            len(optimizers) > 1
+            and shared_memory
+            and type(optimizers[0]) in PER_PARAMETER_OPTIMIZERS
+        ):
+            self._sharded = ShardedUpdate(optimizers, params)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -137,14 +147,19 @@ class MirroredOptimizer:
                 "where the gradients of all replicas can be all-reduced"
             )
         replica_id = replica.replica_id_in_sync_group
-        self._all_reduce_gradients(replica)
-        if self._running_stats[replica_id]:
-            self._average_running_stats(replica)
+        if replica.num_replicas_in_sync > 1:
+            self._all_reduce_gradients(replica)
+            if self._running_stats[replica_id]:
+                self._average_running_stats(replica)
         optimizer = self.optimizers[replica_id]
         if replica_id:
             for group, primary in zip(optimizer.param_groups, self.param_groups, strict=True):
                 group.update({k: v for k, v in primary.items() if k != "params"})
-        return optimizer.step()
+        if self._sharded is None:
+            return optimizer.step()
+        result = self._sharded.step(replica_id)
+        replica.exchange.barrier("optimizer.step: parameters copied")
+        return result
 
     def _all_reduce_gradients(self, replica: ReplicaContext) -> None:
         replica_id = replica.replica_id_in_sync_group
@@ -201,6 +216,8 @@ class MirroredOptimizer:
         """Load the same state into every replica's optimizer (moved to its device)."""
         for optimizer in self.optimizers:
             _load_own_copy(optimizer, state_dict)
+        if self._sharded is not None:
+            self._sharded.share_state()
 
 
 def _replicate_optimizer(

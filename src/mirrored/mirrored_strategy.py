@@ -29,6 +29,8 @@ def default_devices() -> list[LogicalDevice]:
 class MirroredStrategy(Strategy):
     """Synchronous data parallelism over the devices of one process.
 
+    Replica 0 runs on the calling thread, the others on persistent worker threads.
+
     Args:
         devices: device names ("cpu:0", "/gpu:1", torch.device...) or None for all local GPUs
             (or all logical CPU devices when there is no GPU).
@@ -61,9 +63,7 @@ class MirroredStrategy(Strategy):
         threads = max(1, torch.get_num_threads() // cpu_replicas)
         self._runtimes = [ReplicaDeviceRuntime(d, threads) for d in logical]
         self._randomness = [ReplicaRandomness(i, d.torch_device) for i, d in enumerate(logical)]
-        self._workers = ReplicaWorkers(
-            [d.short_name for d in logical], [r.enter_thread for r in self._runtimes]
-        )
+        self._workers = ReplicaWorkers([d.short_name for d in logical])
         # Stop the threads when the strategy is collected without close().
         self._finalizer = weakref.finalize(self, self._workers.close, False)
 
@@ -76,8 +76,13 @@ class MirroredStrategy(Strategy):
 
     @contextmanager
     def _replica_scope(self, replica_id: int) -> Iterator[None]:
-        with self._runtimes[replica_id].task_scope(), self._randomness[replica_id]:
-            yield
+        with self._runtimes[replica_id].task_scope():
+            if self.num_replicas_in_sync == 1:
+                # One replica, on the caller's thread: the global generator is its stream.
+                yield
+                return
+            with self._randomness[replica_id]:
+                yield
 
     def close(self) -> None:
         """Stop the worker threads; the strategy cannot run afterwards."""

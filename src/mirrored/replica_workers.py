@@ -1,7 +1,12 @@
-"""Persistent worker threads, one per replica, that run each replica's share of a step.
+"""Persistent worker threads that run each replica's share of a step.
 
-Threads live as long as the strategy (starting a thread per step would cost more than a small
-model's step). They hold no reference to the strategy, so an unclosed strategy can still be
+Replica 0 runs on the caller's thread and replicas 1..N-1 on persistent worker threads (starting
+a thread per step would cost more than a small model's step). Running replica 0 on the caller
+keeps one replica exactly as fast as the plain loop: a worker thread with its own OpenMP team
+beside the caller's puts more threads than cores in libgomp's count, which then sleeps between
+parallel regions instead of spinning (measured: about 50x the context switches, 0.70x the
+plain loop's throughput; see benchmarks/RESULTS.md). It also saves a thread hand-off per step.
+Workers hold no reference to the strategy, so an unclosed strategy can still be
 garbage-collected, which stops them.
 """
 
@@ -24,10 +29,10 @@ Outcome = tuple[bool, Any]
 
 
 class ReplicaWorkers:
-    """N daemon threads; ``run`` hands one task to each and waits for all of them."""
+    """Replica 0 on the caller's thread, one daemon thread for each other replica."""
 
-    def __init__(self, names: Sequence[str], thread_setup: Sequence[Callable[[], None]]) -> None:
-        self._queues: list[queue.SimpleQueue[Any]] = [queue.SimpleQueue() for _ in names]
+    def __init__(self, names: Sequence[str]) -> None:
+        self._queues: list[queue.SimpleQueue[Any]] = [queue.SimpleQueue() for _ in names[1:]]
         self._done = threading.Condition()
         self._outcomes: list[Outcome | None] = []
         self._names = list(names)
@@ -35,20 +40,17 @@ class ReplicaWorkers:
         self.broken: str | None = None
         self._threads = [
             threading.Thread(
-                target=self._loop,
-                args=(i, setup),
-                name=f"mirrored-replica-{i}-{name}",
-                daemon=True,
+                target=self._loop, args=(i,), name=f"mirrored-replica-{i}-{names[i]}", daemon=True
             )
-            for i, (name, setup) in enumerate(zip(names, thread_setup, strict=True))
+            for i in range(1, len(names))
         ]
+        self._closed = False
         for thread in self._threads:
             thread.start()
 
-    def _loop(self, index: int, setup: Callable[[], None]) -> None:
-        setup()
+    def _loop(self, index: int) -> None:
         while True:
-            task = self._queues[index].get()
+            task = self._queues[index - 1].get()
             if task is _STOP:
                 return
             try:
@@ -77,12 +79,18 @@ class ReplicaWorkers:
         with self._run_lock:
             if self.broken is not None:
                 raise RuntimeError(self.broken)
-            if not self._threads:
+            if self._closed:
                 raise RuntimeError("the strategy is closed; create a new one")
             with self._done:
-                self._outcomes = [None] * len(self._threads)
-            for q, task in zip(self._queues, tasks, strict=True):
+                self._outcomes = [None] * len(tasks)
+            for q, task in zip(self._queues, tasks[1:], strict=True):
                 q.put(task)
+            try:
+                outcome: Outcome = (True, tasks[0]())
+            except BaseException as error:  # the replica's own error, reported like the others'
+                outcome = (False, error)
+            with self._done:
+                self._outcomes[0] = outcome
             try:
                 self._wait_for_all(timeout_seconds)
             except BaseException as reason:
@@ -121,10 +129,12 @@ class ReplicaWorkers:
 
     def close(self, wait: bool = True) -> None:
         """Stop the threads (after their current task); idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         for q in self._queues:
             q.put(_STOP)
         if wait:
             for thread in self._threads:
                 if thread is not threading.current_thread():
                     thread.join()
-        self._threads = []
