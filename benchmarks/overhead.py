@@ -11,8 +11,9 @@ synthetic float32 batches (fixed seed, generated once) at the same global batch 
 
 Each measurement builds a fresh model and optimizer (and strategy), runs 3 warm-up steps, then
 times ``--steps`` steps. Rounds are interleaved: each round runs every configuration once, in an
-order rotated by one per round, so slow drift of the machine is spread over all of them; the
-median over rounds is reported. The two DDP processes are started, joined into one process group
+order rotated by one per round, so slow drift of the machine is spread over all of them. Ratios
+to the plain loop are reported two ways (see ``summarize``); goals are judged on the fastest
+measurement of each configuration. The two DDP processes are started, joined into one process group
 and given their data before the first round, then wait idle (blocked on a pipe) while the other
 configurations run; in their turn they build a fresh DDP model, warm up, and time the steps
 between two barriers (rank 0's wall time). Process start-up and group init are not timed.
@@ -240,21 +241,29 @@ def machine_description() -> dict[str, Any]:
 
 
 def summarize(times: dict[str, list[float]], steps: int) -> list[dict[str, Any]]:
-    plain = statistics.median(times["plain"])
+    """Two ratios to the plain loop, both from this run. ``ratio_best``: of the fastest
+    measurement of each configuration (interference on a shared host only ever adds time, so
+    the fastest is the least disturbed). ``ratio_paired``: median over rounds of the ratio to the
+    same round's plain loop (cancels slow drift). Goals are judged on ``ratio_best``."""
+    best_plain = min(times["plain"])
     rows = []
     for name, seconds in times.items():
-        median = statistics.median(seconds)
-        ratio = plain / median
+        ratio_best = best_plain / min(seconds)
+        ratio_paired = statistics.median(
+            plain / mine for plain, mine in zip(times["plain"], seconds, strict=True)
+        )
         goal = GOALS[name]
         rows.append(
             {
                 "config": name,
                 "seconds": seconds,
-                "median_s": median,
-                "steps_per_s": steps / median,
-                "ratio_to_plain": ratio,
+                "best_s": min(seconds),
+                "median_s": statistics.median(seconds),
+                "steps_per_s": steps / min(seconds),
+                "ratio_best": ratio_best,
+                "ratio_paired": ratio_paired,
                 "goal": goal,
-                "met": None if goal is None else ratio >= goal,
+                "met": None if goal is None else ratio_best >= goal,
             }
         )
     return rows
@@ -262,27 +271,29 @@ def summarize(times: dict[str, list[float]], steps: int) -> list[dict[str, Any]]
 
 def print_table(rows: Sequence[dict[str, Any]], steps: int, mirrored_over_ddp: float) -> None:
     print(
-        f"\n{'config':<12} {f'median s / {steps} steps':>22} {'steps/s':>9} {'vs plain':>9} "
-        f"{'goal':>8} {'met':>4}"
+        f"\n{'config':<12} {f'best s/{steps}':>11} {f'median s/{steps}':>13} {'steps/s':>8} "
+        f"{'vs plain':>9} {'paired':>7} {'goal':>8} {'met':>4}"
     )
     for row in rows:
         goal = "-" if row["goal"] is None else f">={row['goal']:.2f}x"
         met = "-" if row["met"] is None else ("yes" if row["met"] else "NO")
         print(
-            f"{row['config']:<12} {row['median_s']:>22.3f} {row['steps_per_s']:>9.1f} "
-            f"{row['ratio_to_plain']:>8.3f}x {goal:>8} {met:>4}"
+            f"{row['config']:<12} {row['best_s']:>11.3f} {row['median_s']:>13.3f} "
+            f"{row['steps_per_s']:>8.1f} {row['ratio_best']:>8.3f}x {row['ratio_paired']:>6.3f}x "
+            f"{goal:>8} {met:>4}"
         )
+    print("vs plain: best to best; paired: median of per-round ratios to the same round's plain")
     met = "yes" if mirrored_over_ddp >= MIRRORED_OVER_DDP_GOAL else "NO"
     print(
-        f"\nmirrored-2 / ddp-2 throughput: {mirrored_over_ddp:.2f}x "
+        f"\nmirrored-2 / ddp-2 throughput (best to best): {mirrored_over_ddp:.2f}x "
         f"(aim >={MIRRORED_OVER_DDP_GOAL:.1f}x): {met}"
     )
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=60, help="timed steps per measurement")
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
+    parser.add_argument("--steps", type=int, default=150, help="timed steps per measurement")
+    parser.add_argument("--rounds", type=int, default=9, help="interleaved rounds")
     parser.add_argument("--batch-size", type=int, default=256, help="global batch size")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     args = parser.parse_args(argv)
@@ -330,7 +341,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             )
 
     rows = summarize(times, args.steps)
-    mirrored_over_ddp = statistics.median(times["ddp-2"]) / statistics.median(times["mirrored-2"])
+    mirrored_over_ddp = min(times["ddp-2"]) / min(times["mirrored-2"])
     print_table(rows, args.steps, mirrored_over_ddp)
     if args.json:
         report = {

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -19,6 +20,7 @@ from torch import nn
 from mirrored.batch_norm import convert_sync_batch_norm, running_stat_buffers
 from mirrored.bucketing import PackedTensors
 from mirrored.context import ReplicaContext, current_replica_context
+from mirrored.cross_device_ops import HierarchicalCopyAllReduce
 from mirrored.sharded_update import PER_PARAMETER_OPTIMIZERS, ShardedUpdate
 from mirrored.values import ReduceOp
 
@@ -104,12 +106,15 @@ class MirroredOptimizer:
         self._params = [list(p) for p in params]
         self._running_stats = [list(b) for b in running_stats]
         self._packed: list[dict[tuple[bool, ...], PackedTensors]] = [{} for _ in optimizers]
-        # Replicas sharing one device's memory update each parameter once (sharded_update.py).
+        self._plain_tensors = all(type(p.data) is torch.Tensor for p in self._params[0])
+        # Replicas sharing one device's memory, with the slice-parallel HierarchicalCopyAllReduce,
+        # reduce and update each parameter once, on its owner (sharded_update.py).
         shared_memory = len({p[0].device for p in self._params if p}) == 1
         self._sharded: ShardedUpdate | None = None
         if (
             len(optimizers) > 1
             and shared_memory
+            and isinstance(strategy.cross_device_ops, HierarchicalCopyAllReduce)
             and type(optimizers[0]) in PER_PARAMETER_OPTIMIZERS
         ):
             self._sharded = ShardedUpdate(optimizers, params)
@@ -146,9 +151,22 @@ class MirroredOptimizer:
                 "optimizer.step() of a mirrored optimizer must be called inside strategy.run(), "
                 "where the gradients of all replicas can be all-reduced"
             )
+        with self._without_torch_function():
+            return self._step(replica)
+
+    def _without_torch_function(self) -> AbstractContextManager[Any]:
+        """Torch-function modes (the per-replica RNG's) cost a Python call per op and replicas
+        share one GIL; the update of plain tensors needs none of them."""
+        return torch._C.DisableTorchFunction() if self._plain_tensors else nullcontext()
+
+    def _step(self, replica: ReplicaContext) -> Any:
         replica_id = replica.replica_id_in_sync_group
         if replica.num_replicas_in_sync > 1:
-            self._all_reduce_gradients(replica)
+            _check_dense(self._params[replica_id])
+            if self._sharded is not None:
+                self._sharded.reduce_gradients(replica)
+            else:
+                self._all_reduce_gradients(replica)
             if self._running_stats[replica_id]:
                 self._average_running_stats(replica)
         optimizer = self.optimizers[replica_id]
@@ -165,12 +183,6 @@ class MirroredOptimizer:
         replica_id = replica.replica_id_in_sync_group
         params = self._params[replica_id]
         grads = [p.grad for p in params]
-        for p, g in zip(params, grads, strict=True):
-            if g is not None and g.is_sparse:
-                raise TypeError(
-                    f"a parameter of shape {tuple(p.shape)} has a sparse gradient; mirrored "
-                    "all-reduces dense gradients only (use nn.Embedding(sparse=False))"
-                )
         has_grad = tuple(g is not None for g in grads)
         everyone = replica.exchange.all("optimizer.step", has_grad)
         reduced = tuple(any(flags) for flags in zip(*everyone, strict=True))
@@ -218,6 +230,15 @@ class MirroredOptimizer:
             _load_own_copy(optimizer, state_dict)
         if self._sharded is not None:
             self._sharded.share_state()
+
+
+def _check_dense(params: Sequence[nn.Parameter]) -> None:
+    for p in params:
+        if p.grad is not None and p.grad.is_sparse:
+            raise TypeError(
+                f"a parameter of shape {tuple(p.shape)} has a sparse gradient; mirrored "
+                "all-reduces dense gradients only (use nn.Embedding(sparse=False))"
+            )
 
 
 def _replicate_optimizer(

@@ -4,14 +4,14 @@ Replicas on logical devices of one physical device (the CPU, or one GPU) would o
 the full optimizer update at once on the same cores and memory: on the 2-core benchmark machine,
 two concurrent Adam updates of the overhead MLP took about 4 ms each against 1.1 ms for one
 (benchmarks/RESULTS.md). Instead each parameter gets one owner replica (balanced by size); only
-the owner updates it, with the all-reduced gradient, and copies the result to the other replicas.
+the owner sums its gradient over the replicas, updates it, and copies the result to the others.
 The optimizer state of a parameter is one set of tensors shared by every replica's optimizer, so
 the user's optimizer (replica 0's) keeps the complete state and its ``state_dict()`` stays the
 plain single-model one; that also makes optimizer memory 1/N of mirrored state.
 
 Exact for optimizers whose update of a parameter reads only that parameter, its gradient and its
 own state: torch's built-in optimizers listed below. Any other optimizer runs the full update on
-every replica.
+every replica. Where the user left ``foreach`` to torch, the owner uses the foreach path.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from mirrored.context import ReplicaContext
 
 __all__ = ["PER_PARAMETER_OPTIMIZERS", "ShardedUpdate", "assign_owners"]
 
@@ -37,6 +39,19 @@ PER_PARAMETER_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.ASGD,
     torch.optim.Rprop,
 )
+
+
+def _left_to_torch(group: dict[str, Any]) -> bool:
+    """The user left the implementation to torch (``foreach=None``), which on the CPU picks a
+    Python loop over tensors. Replica threads share one GIL, so N of those loops run one after
+    the other; the foreach path does the same elementwise math in a few calls (measured 1.5 ms
+    vs 0.9 ms per concurrent update of the overhead MLP)."""
+    return (
+        "foreach" in group
+        and group["foreach"] is None
+        and not group.get("fused")
+        and not group.get("differentiable")
+    )
 
 
 def assign_owners(numels: Sequence[int], num_replicas: int) -> list[int]:
@@ -76,6 +91,29 @@ class ShardedUpdate:
             for optimizer, replica_params in zip(self.optimizers[1:], self.params[1:], strict=True):
                 optimizer.state[replica_params[index]] = primary.state[first]
 
+    def reduce_gradients(self, replica: ReplicaContext) -> None:
+        """Each owner sums the gradients of its parameters over all replicas, in replica order,
+        reading its peers' gradients in place (no packing, nothing written to peers). Afterwards a
+        replica's other gradients are its own share only, consumed by this step."""
+        replica_id = replica.replica_id_in_sync_group
+        mine = self.params[replica_id]
+        everyone = replica.exchange.all("optimizer.step", [p.grad for p in mine])
+        for index, owner in enumerate(self.owners):
+            if owner != replica_id:
+                continue
+            parts: list[torch.Tensor] = [g for grads in everyone if (g := grads[index]) is not None]
+            if not parts:
+                continue
+            if parts[0] is mine[index].grad:  # this replica's gradient comes first: add in place
+                total, rest = parts[0], parts[1:]
+            elif len(parts) == 1:
+                total, rest = parts[0].clone(), []
+            else:
+                total, rest = parts[0] + parts[1], parts[2:]
+            for part in rest:
+                total.add_(part)
+            mine[index].grad = total
+
     def step(self, replica_id: int) -> Any:
         """Update the parameters ``replica_id`` owns, publish new state, copy them to peers.
 
@@ -83,14 +121,18 @@ class ShardedUpdate:
         """
         optimizer = self.optimizers[replica_id]
         owned = self._owned_ids[replica_id]
-        full_lists = [group["params"] for group in optimizer.param_groups]
+        saved = [(group["params"], group.get("foreach")) for group in optimizer.param_groups]
         try:
-            for group, params in zip(optimizer.param_groups, full_lists, strict=True):
+            for group, (params, _) in zip(optimizer.param_groups, saved, strict=True):
                 group["params"] = [p for p in params if id(p) in owned]
+                if _left_to_torch(group):
+                    group["foreach"] = True
             result = optimizer.step()
         finally:
-            for group, params in zip(optimizer.param_groups, full_lists, strict=True):
+            for group, (params, foreach) in zip(optimizer.param_groups, saved, strict=True):
                 group["params"] = params
+                if "foreach" in group:
+                    group["foreach"] = foreach
         mine = self.params[replica_id]
         peers = [r for r in range(len(self.optimizers)) if r != replica_id]
         with torch.no_grad():
