@@ -208,3 +208,23 @@ def test_mirroring_an_optimizer_that_already_has_state(strategy):
     _continue_training(strategy, model, mirrored_optimizer, batches[4:])
     assert_same_parameters(reference, model)
     assert_replicas_identical(model)
+
+
+def test_cross_replica_changes_reach_every_replica(strategy):
+    model = strategy.mirror(make_mlp())
+    model[0].requires_grad_(False)
+    assert not any(r[0].weight.requires_grad for r in model.replicas)
+    assert len(model) == 5 and [type(m.module) for m in model][1] is nn.ReLU
+    model.apply(lambda m: nn.init.normal_(m.weight) if isinstance(m, nn.Linear) else None)
+    assert_replicas_identical(model)
+    calls = []
+    handles = model.register_forward_hook(lambda *_: calls.append(1))
+    strategy.run(lambda: model(torch.zeros(1, 12)))
+    assert len(calls) == 3
+    handles.remove()
+    strategy.run(lambda: model(torch.zeros(1, 12)))
+    assert len(calls) == 3
+    with pytest.raises(TypeError, match=r"model\.half\(\) on a mirrored module"):
+        model.half()
+    inside = strategy.run(lambda: id(model[0]))  # inside run: the replica's own submodule
+    assert strategy.experimental_local_results(inside) == tuple(id(r[0]) for r in model.replicas)

@@ -103,13 +103,65 @@ def test_reduce_with_and_without_axis_is_exact_on_ragged_shards():
         assert nested["a"].item() == nested["b"][0].item() == data.sum().item()
 
 
-def test_reduce_rejects_bad_arguments():
+def test_reduce_rejects_bad_ops_and_treats_plain_values_as_mirrored():
     with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
         with pytest.raises(ValueError, match="reduce_op='max'"):
             strategy.reduce("max", mirrored.PerReplica([torch.ones(1)] * 2), axis=None)
-        with pytest.raises(ValueError, match="not a per-replica value"):
-            strategy.reduce("sum", torch.ones(1), axis=None)
+        # Equal small ints are one object: run() returns it unwrapped, SUM still counts both.
+        counts = strategy.run(lambda: 3)
+        assert counts == 3
+        assert strategy.reduce("sum", counts, axis=None).item() == 6
         assert strategy.reduce("mean", torch.ones(1), axis=None).item() == 1.0
+
+
+def test_mean_of_integer_counts_is_a_float():
+    with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
+        counts = mirrored.PerReplica([torch.tensor(1), torch.tensor(2)])
+        assert strategy.reduce("mean", counts, axis=None).item() == 1.5
+        means = strategy.run(
+            lambda: mirrored.get_replica_context().all_reduce(
+                "mean", mirrored.get_replica_context().replica_id_in_sync_group
+            )
+        )
+        assert strategy.experimental_local_results(means) == (0.5, 0.5)
+
+
+def test_all_reduce_of_different_shapes_is_an_error_naming_them():
+    with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
+        (batch,) = strategy.experimental_distribute_dataset([torch.arange(7.0)])  # 4 and 3
+        with pytest.raises(ValueError, match=r"replica 0: \[\(4,\)\].*replica 1: \[\(3,\)\]"):
+            strategy.run(
+                lambda shard: mirrored.get_replica_context().all_reduce("sum", shard), args=(batch,)
+            )
+
+
+def test_collectives_detach_their_inputs():
+    with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
+        weight = torch.ones(2, requires_grad=True)
+
+        def fn():
+            replica = mirrored.get_replica_context()
+            total = replica.all_reduce("sum", [weight * 2, weight * 3])
+            gathered = replica.all_gather(weight * 1, axis=0)
+            return [t.requires_grad for t in total] + [gathered.requires_grad]
+
+        assert strategy.run(fn) == [False] * 3  # the same on both replicas: unwrapped
+
+
+def test_all_gather_is_not_disturbed_by_a_replica_changing_its_input_afterwards():
+    with mirrored.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"]) as strategy:
+
+        def fn():
+            replica = mirrored.get_replica_context()
+            mine = torch.full((4,), float(replica.replica_id_in_sync_group))
+            gathered = replica.all_gather(mine, axis=0)
+            mine.fill_(-1)
+            return gathered
+
+        expected = torch.tensor([0.0] * 4 + [1.0] * 4 + [2.0] * 4)
+        for _ in range(20):
+            for gathered in strategy.experimental_local_results(strategy.run(fn)):
+                assert torch.equal(gathered, expected)
 
 
 def test_contexts_inside_and_outside_scope_and_run():

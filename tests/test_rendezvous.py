@@ -216,3 +216,62 @@ def test_ctrl_c_while_replicas_run_releases_them_and_keeps_the_strategy_usable()
             strategy.run(fn)
         assert time.monotonic() - started < 10
         assert strategy.reduce("sum", strategy.run(lambda: torch.ones(1)), axis=None).item() == 2
+
+
+def test_an_unclosed_strategy_is_collected_after_a_failed_run():
+    strategy = mirrored.MirroredStrategy(["cpu:0", "cpu:1"])
+
+    def fn():
+        if mirrored.get_replica_context().replica_id_in_sync_group == 1:
+            raise ValueError("boom")
+
+    with pytest.raises(ValueError):
+        strategy.run(fn)
+    del strategy  # the hygiene fixture checks that the worker thread ended
+
+
+def test_close_does_not_hang_on_a_stuck_replica():
+    release = threading.Event()
+    strategy = mirrored.MirroredStrategy(["cpu:0", "cpu:1"], timeout_seconds=0.2)
+    try:
+        with pytest.raises(SyncTimeoutError):
+            strategy.run(
+                lambda: (
+                    release.wait(30)
+                    if mirrored.get_replica_context().replica_id_in_sync_group
+                    else None
+                )
+            )
+        started = time.monotonic()
+        strategy.close()
+        assert time.monotonic() - started < 2
+    finally:
+        release.set()
+
+
+def test_replicas_are_resynced_after_a_step_that_failed_on_one_replica():
+    with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
+        module = torch.nn.Linear(3, 2)
+        optimizer = torch.optim.SGD(module.parameters(), lr=0.5, momentum=0.9)
+        model, mirrored_optimizer = strategy.mirror(module, optimizer)
+        fail = {"once": True}
+
+        def fail_on_replica_1(opt, args, kwargs):
+            if opt is not optimizer and fail.pop("once", False):
+                raise MemoryError("simulated out-of-memory in replica 1's update")
+
+        for replica_optimizer in mirrored_optimizer.optimizers:
+            replica_optimizer.register_step_pre_hook(fail_on_replica_1)
+
+        def step():
+            model(torch.ones(4, 3)).sum().backward()
+            mirrored_optimizer.step()
+            mirrored_optimizer.zero_grad()
+
+        mirrored_optimizer._sharded = None  # every replica updates: replica 0 gets ahead
+        with pytest.raises(MemoryError):
+            strategy.run(step)
+        first, second = (list(r.parameters()) for r in model.replicas)
+        assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+        strategy.run(step)
+        assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))

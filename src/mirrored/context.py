@@ -66,12 +66,12 @@ class ReplicaContext:
 
     def all_reduce(self, reduce_op: ReduceOp | str, value: Any) -> Any:
         """Reduce a nested structure of tensors (or numbers) across replicas; every replica
-        receives the result on its own device. Not differentiable."""
+        receives the result on its own device. Not differentiable: the result is detached."""
         op = ReduceOp.of(reduce_op)
         if self.num_replicas_in_sync == 1:
             return value
         leaves = flatten(value)
-        tensors = [torch.as_tensor(v, device=self.device) for v in leaves]
+        tensors = [torch.as_tensor(v, device=self.device).detach() for v in leaves]
         reduced = iter(self.strategy.all_reduce_tensors(self, op, tensors))
         results = [
             next(reduced) if isinstance(v, torch.Tensor) else next(reduced).item() for v in leaves
@@ -81,15 +81,17 @@ class ReplicaContext:
 
     def all_gather(self, value: Any, axis: int) -> Any:
         """Concatenate each tensor of a nested structure along ``axis`` across replicas,
-        in replica order; shards may differ in size along ``axis``."""
-        leaves = [torch.as_tensor(v) for v in flatten(value)]
+        in replica order; shards may differ in size along ``axis``. Detached."""
         if self.num_replicas_in_sync == 1:
             return value
+        leaves = [torch.as_tensor(v).detach() for v in flatten(value)]
         everyone = self.exchange.all("all_gather", leaves)
         gathered = [
             torch.cat([peer[i].to(self.device) for peer in everyone], dim=axis)
             for i in range(len(leaves))
         ]
+        # Peers must not change their inputs before everyone has read them.
+        self.exchange.barrier("all_gather done")
         it = iter(gathered)
         return map_structure(lambda _: next(it), value)
 

@@ -64,18 +64,14 @@ class CrossDeviceOps:
         total = values[0].to(destination, copy=True)
         for value in values[1:]:
             total.add_(value.to(destination))
-        if reduce_op is ReduceOp.MEAN:
-            total.div_(len(values))
-        return total
+        # Out of place: the mean of integer counts is a float.
+        return total / len(values) if reduce_op is ReduceOp.MEAN else total
 
-    def all_reduce(
-        self, exchange: ReplicaExchange, flat: torch.Tensor, reduce_op: ReduceOp
-    ) -> None:
-        """Collective: replace ``flat`` by its reduction over all replicas, in place."""
+    def all_reduce(self, exchange: ReplicaExchange, flat: torch.Tensor) -> None:
+        """Collective: replace ``flat`` by its sum over all replicas, in place. Every replica
+        must pass a tensor of the same shape and dtype (callers check)."""
         if exchange.num_replicas > 1:
             self._all_reduce_sum(exchange, flat)
-        if reduce_op is ReduceOp.MEAN:
-            flat.div_(exchange.num_replicas)
 
     def _all_reduce_sum(self, exchange: ReplicaExchange, flat: torch.Tensor) -> None:
         raise NotImplementedError

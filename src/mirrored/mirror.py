@@ -35,8 +35,39 @@ def _replica_context_of(strategy: Strategy) -> ReplicaContext | None:
     return replica if replica is not None and replica.strategy is strategy else None
 
 
+class _Handles:
+    """The hook handles of every replica, removed together."""
+
+    def __init__(self, handles: Sequence[Any]) -> None:
+        self.handles = list(handles)
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+# nn.Module methods that would move or retype one replica only.
+_FORBIDDEN = {"to", "cuda", "cpu", "xpu", "half", "float", "double", "bfloat16", "type", "to_empty"}
+# nn.Module methods that must reach every replica (structure, flags, hooks).
+_BROADCAST = {
+    "requires_grad_",
+    "register_forward_hook",
+    "register_forward_pre_hook",
+    "register_full_backward_hook",
+    "register_full_backward_pre_hook",
+}
+
+
 class MirroredModule:
-    """One replica of a module per device of a strategy; calls go to the current replica."""
+    """One replica of a module per device of a strategy; calls go to the current replica.
+
+    Inside ``strategy.run`` attribute access reaches the current replica. Outside, reads reach
+    replica 0, submodules come back mirrored (so ``model.encoder.requires_grad_(False)`` freezes
+    every replica), changes of flags and hooks reach every replica, and ``apply(fn)`` runs on
+    every replica and then copies replica 0's values to the others (so a random init stays
+    identical). Moving or retyping one replica (``.to()``, ``.half()``) is an error: mirror the
+    module after moving it.
+    """
 
     def __init__(self, strategy: Strategy, replicas: Sequence[nn.Module]) -> None:
         object.__setattr__(self, "_strategy", strategy)
@@ -45,6 +76,15 @@ class MirroredModule:
     def _current(self) -> nn.Module:
         replica = _replica_context_of(self._strategy)
         return self.replicas[0 if replica is None else replica.replica_id_in_sync_group]
+
+    def _in_replica(self) -> bool:
+        return _replica_context_of(self._strategy) is not None
+
+    def _cross_replica(self, parts: Sequence[Any]) -> Any:
+        """A value read outside ``run``: submodules mirrored, anything else replica 0's."""
+        return (
+            MirroredModule(self._strategy, parts) if isinstance(parts[0], nn.Module) else parts[0]
+        )
 
     @property
     def module(self) -> nn.Module:
@@ -55,7 +95,31 @@ class MirroredModule:
         return self._current()(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._current(), name)
+        if name in _FORBIDDEN:
+            raise TypeError(
+                f"model.{name}() on a mirrored module would change one replica only; move or "
+                "retype the module before strategy.mirror()"
+            )
+        if self._in_replica():
+            return getattr(self._current(), name)
+        if name in _BROADCAST:
+            return lambda *args, **kwargs: self._broadcast(name, args, kwargs)
+        return self._cross_replica([getattr(r, name) for r in self.replicas])
+
+    def _broadcast(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        results = [getattr(r, name)(*args, **kwargs) for r in self.replicas]
+        return self if isinstance(results[0], nn.Module) else _Handles(results)
+
+    def __getitem__(self, index: Any) -> Any:
+        if self._in_replica():
+            return self._current()[index]  # type: ignore[index]
+        return self._cross_replica([r[index] for r in self.replicas])
+
+    def __len__(self) -> int:
+        return len(self.replicas[0])
+
+    def __iter__(self) -> Any:
+        return iter(self[i] for i in range(len(self)))
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(
@@ -75,19 +139,34 @@ class MirroredModule:
         results = [r.load_state_dict(state_dict, strict=strict) for r in self.replicas]
         return results[0]
 
+    def apply(self, fn: Any) -> MirroredModule:
+        """``fn`` on every submodule of every replica, then replica 0's values to all."""
+        for replica in self.replicas:
+            replica.apply(fn)
+        self.resync()
+        return self
+
+    def resync(self) -> None:
+        """Copy replica 0's parameters and buffers into the other replicas."""
+        first = self.replicas[0].state_dict(keep_vars=True)
+        with torch.no_grad():
+            for replica in self.replicas[1:]:
+                for name, value in replica.state_dict(keep_vars=True).items():
+                    value.copy_(first[name])
+
     def train(self, mode: bool = True) -> MirroredModule:
+        """Set training mode on every replica."""
         for replica in self.replicas:
             replica.train(mode)
         return self
 
     def eval(self) -> MirroredModule:
+        """Set evaluation mode on every replica."""
         return self.train(False)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The current replica's gradients inside ``strategy.run``, every replica's outside."""
-        replica = _replica_context_of(self._strategy)
-        targets = self.replicas if replica is None else [self._current()]
-        for module in targets:
+        for module in [self._current()] if self._in_replica() else self.replicas:
             module.zero_grad(set_to_none=set_to_none)
 
 
@@ -161,6 +240,10 @@ class MirroredOptimizer:
 
     def _step(self, replica: ReplicaContext) -> Any:
         replica_id = replica.replica_id_in_sync_group
+        optimizer = self.optimizers[replica_id]
+        if replica_id:  # before the first sync point: replica 0 may change its groups after it
+            for group, primary in zip(optimizer.param_groups, self.param_groups, strict=True):
+                group.update({k: v for k, v in primary.items() if k != "params"})
         if replica.num_replicas_in_sync > 1:
             _check_dense(self._params[replica_id])
             if self._sharded is not None:
@@ -169,10 +252,6 @@ class MirroredOptimizer:
                 self._all_reduce_gradients(replica)
             if self._running_stats[replica_id]:
                 self._average_running_stats(replica)
-        optimizer = self.optimizers[replica_id]
-        if replica_id:
-            for group, primary in zip(optimizer.param_groups, self.param_groups, strict=True):
-                group.update({k: v for k, v in primary.items() if k != "params"})
         if self._sharded is None:
             return optimizer.step()
         result = self._sharded.step(replica_id)
@@ -197,7 +276,7 @@ class MirroredOptimizer:
             self._packed[replica_id][reduced] = packed
         packed.pack([grads[i] for i in indices])
         for buffer in packed.buffers:
-            self._strategy.cross_device_ops.all_reduce(replica.exchange, buffer, ReduceOp.SUM)
+            self._strategy.cross_device_ops.all_reduce(replica.exchange, buffer)
         for i, view in zip(indices, packed.unpacked(), strict=True):
             params[i].grad = view
 
@@ -219,6 +298,14 @@ class MirroredOptimizer:
         )
         for optimizer in targets:
             optimizer.zero_grad(set_to_none=set_to_none)
+
+    def resync(self) -> None:
+        """Give every replica's optimizer replica 0's state (after a step that failed midway)."""
+        if self._sharded is not None:
+            self._sharded.share_state()
+            return
+        for optimizer in self.optimizers[1:]:
+            _load_own_copy(optimizer, self.optimizers[0].state_dict())
 
     def state_dict(self) -> dict[str, Any]:
         """The plain single-optimizer state (replica 0's; all replicas are identical)."""
@@ -293,6 +380,7 @@ def mirror_module(
     first = module.to(devices[0])
     replicas = [first] + [copy.deepcopy(first).to(d) for d in devices[1:]]
     mirrored = MirroredModule(strategy, replicas)
+    strategy.track_replicated(mirrored)
     if optimizer is None:
         return mirrored
     replica_params = [list(r.parameters()) for r in replicas]
@@ -301,4 +389,6 @@ def mirror_module(
         for rp in replica_params[1:]
     ]
     running = [running_stat_buffers(r) for r in replicas]
-    return mirrored, MirroredOptimizer(strategy, optimizers, replica_params, running)
+    mirrored_optimizer = MirroredOptimizer(strategy, optimizers, replica_params, running)
+    strategy.track_replicated(mirrored_optimizer)
+    return mirrored, mirrored_optimizer

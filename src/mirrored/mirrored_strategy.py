@@ -84,6 +84,9 @@ class MirroredStrategy(Strategy):
             with self._randomness[replica_id]:
                 yield
 
+    def _usable(self) -> bool:
+        return self._workers.broken is None
+
     def close(self) -> None:
         """Stop the worker threads; the strategy cannot run afterwards."""
         if self._finalizer.detach() is not None:

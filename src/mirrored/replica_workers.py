@@ -59,8 +59,12 @@ class ReplicaWorkers:
                 outcome = (False, error)
             del task
             with self._done:
-                self._outcomes[index] = outcome
+                if index < len(self._outcomes):  # else a run gave up on this replica
+                    self._outcomes[index] = outcome
                 self._done.notify_all()
+            # An exception's traceback reaches the strategy: holding it would keep an unclosed
+            # strategy (and this thread) alive.
+            del outcome
 
     def run(
         self,
@@ -91,8 +95,11 @@ class ReplicaWorkers:
                 outcome = (False, error)
             with self._done:
                 self._outcomes[0] = outcome
+            del outcome
             try:
                 self._wait_for_all(timeout_seconds)
+                with self._done:
+                    return [o for o in self._outcomes if o is not None]
             except BaseException as reason:
                 abort(reason)
                 try:
@@ -101,10 +108,9 @@ class ReplicaWorkers:
                     stuck = [self._names[i] for i, o in enumerate(self._outcomes) if o is None]
                     self.broken = f"the strategy is unusable: replicas on {stuck} are stuck"
                 raise
-            with self._done:
-                outcomes = [o for o in self._outcomes if o is not None]
-                self._outcomes = []
-            return outcomes
+            finally:
+                with self._done:
+                    self._outcomes = []
 
     def _wait_for_all(self, timeout_seconds: float | None) -> None:
         deadline: float | None = None
@@ -128,13 +134,16 @@ class ReplicaWorkers:
                 self._done.wait(min(remaining, 0.5) if remaining is not None else 0.5)
 
     def close(self, wait: bool = True) -> None:
-        """Stop the threads (after their current task); idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        for q in self._queues:
-            q.put(_STOP)
-        if wait:
+        """Stop the threads (after a run in progress); idempotent. Threads of replicas stuck in
+        user code (a broken strategy) cannot be stopped: they are left to the process, as daemons,
+        rather than hanging the caller."""
+        with self._run_lock:
+            if self._closed:
+                return
+            self._closed = True
+            for q in self._queues:
+                q.put(_STOP)
+        if wait and self.broken is None:
             for thread in self._threads:
                 if thread is not threading.current_thread():
                     thread.join()

@@ -9,9 +9,10 @@ are split into per-replica shards. Subclasses say only how replica functions are
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, overload
 
 import torch
 
@@ -39,6 +40,12 @@ __all__ = ["Strategy", "default_strategy"]
 OptimizerT = TypeVar("OptimizerT", bound=torch.optim.Optimizer)
 
 
+class Replicated(Protocol):
+    """Something kept identical on every replica (a mirrored module or optimizer)."""
+
+    def resync(self) -> None: ...
+
+
 class Strategy:
     """Base class of all strategies: the contract of ``mirrored``'s front-ends."""
 
@@ -55,6 +62,7 @@ class Strategy:
         self.devices: tuple[LogicalDevice, ...] = tuple(devices)
         self.cross_device_ops = cross_device_ops
         self.timeout_seconds = timeout_seconds
+        self._replicated: weakref.WeakSet[Replicated] = weakref.WeakSet()
 
     # -- identity ---------------------------------------------------------------------------------
     @property
@@ -104,11 +112,30 @@ class Strategy:
             )
             for replica_id in range(self.num_replicas_in_sync)
         ]
-        outcomes = self._execute(tasks, rendezvous)
+        try:
+            outcomes = self._execute(tasks, rendezvous)
+        except BaseException:
+            self._resync_replicated()
+            raise
         failures = [(i, o[1]) for i, o in enumerate(outcomes) if not o[0]]
         if failures:
+            self._resync_replicated()
             raise self._root_error(failures, rendezvous)
         return regroup([o[1] for o in outcomes])
+
+    def track_replicated(self, replicated: Replicated) -> None:
+        """Resync ``replicated`` from replica 0 whenever a run fails, so that a step that failed
+        on some replicas after others had updated cannot leave them diverged."""
+        self._replicated.add(replicated)
+
+    def _resync_replicated(self) -> None:
+        if self._usable():
+            for replicated in list(self._replicated):
+                replicated.resync()
+
+    def _usable(self) -> bool:
+        """False once replicas are stuck in user code (their state cannot be trusted)."""
+        return True
 
     def _run_replica(
         self,
@@ -160,15 +187,30 @@ class Strategy:
     def all_reduce_tensors(
         self, replica: context.ReplicaContext, reduce_op: ReduceOp, tensors: Sequence[torch.Tensor]
     ) -> list[torch.Tensor]:
-        """Collective: reduce a list of tensors across replicas, packed into buckets."""
+        """Collective: reduce a list of tensors across replicas, packed into buckets. Every
+        replica must pass the same shapes and dtypes (a ValueError naming them otherwise)."""
         if self.num_replicas_in_sync == 1:
             return list(tensors)
+        signature = [(tuple(t.shape), t.dtype) for t in tensors]
+        everyone = replica.exchange.all("all_reduce", signature)
+        if any(other != signature for other in everyone):
+            shapes = ", ".join(
+                f"replica {i}: {[shape for shape, _ in sig]} {sorted({str(d) for _, d in sig})}"
+                for i, sig in enumerate(everyone)
+            )
+            raise ValueError(
+                f"all_reduce needs the same shapes and dtypes on every replica; got {shapes}. "
+                "Reduce per-replica sums or counts (e.g. x.sum(0)), not ragged shards"
+            )
         plan = self.cross_device_ops.plan(tensors)
         packed = PackedTensors(plan, [t.shape for t in tensors], replica.device)
         packed.pack(tensors)
         for buffer in packed.buffers:
-            self.cross_device_ops.all_reduce(replica.exchange, buffer, reduce_op)
-        return packed.unpacked()
+            self.cross_device_ops.all_reduce(replica.exchange, buffer)
+        reduced = packed.unpacked()
+        if reduce_op is ReduceOp.MEAN:  # out of place: the mean of integer counts is a float
+            return [t / self.num_replicas_in_sync for t in reduced]
+        return reduced
 
     # -- combining results ------------------------------------------------------------------------
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
@@ -191,16 +233,11 @@ class Strategy:
         return map_structure(lambda v: self._reduce_leaf(op, v, axis), value)
 
     def _reduce_leaf(self, op: ReduceOp, value: Any, axis: int | None) -> torch.Tensor:
-        parts = self.experimental_local_results(value)
-        if (
-            not isinstance(value, PerReplica)
-            and op is ReduceOp.SUM
-            and self.num_replicas_in_sync > 1
-        ):
-            raise ValueError(
-                f"cannot SUM {type(value).__name__} {value!r}: it is not a per-replica value; "
-                "pass a result of strategy.run"
-            )
+        # A plain value is the same on every replica (run() unwraps identical results), as a
+        # mirrored value is in TensorFlow: SUM counts it once per replica.
+        parts = (
+            value.values if isinstance(value, PerReplica) else (value,) * self.num_replicas_in_sync
+        )
         tensors = [torch.as_tensor(p).detach() for p in parts]
         destination = self.devices[0].torch_device
         if axis is None:
