@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -37,25 +38,42 @@ def test_a_step_without_random_ops_leaves_the_callers_random_stream_alone():
         assert torch.equal(torch.rand(4), expected)
 
 
-def test_random_ops_of_every_kind_use_the_replica_stream():
-    def draws():
-        return torch.cat(
-            [
-                torch.rand(2),
-                torch.randn(2),
-                torch.empty(2).uniform_(),
-                torch.randint(0, 1000, (2,)).float(),
-                torch.randperm(4).float(),
-                torch.bernoulli(torch.full((4,), 0.5)),
-            ]
-        )
+RANDOM_OPS = {
+    "rand": lambda: torch.rand(8),
+    "randn": lambda: torch.randn(8),
+    "uniform_": lambda: torch.empty(8).uniform_(),
+    "normal_": lambda: torch.empty(8).normal_(),
+    "randint": lambda: torch.randint(0, 10**6, (8,)).float(),
+    "randperm": lambda: torch.randperm(64).float(),
+    "bernoulli": lambda: torch.bernoulli(torch.full((64,), 0.5)),
+    "multinomial": lambda: torch.multinomial(torch.ones(64), 8).float(),
+    "dropout": lambda: F.dropout(torch.ones(64), 0.5, True),
+    "module_dropout": lambda: nn.Dropout(0.5)(torch.ones(64)),
+    "gamma": lambda: torch.distributions.Gamma(torch.ones(8), torch.ones(8)).sample(),
+    "dirichlet": lambda: torch.distributions.Dirichlet(torch.ones(8)).sample(),
+    "binomial": lambda: torch.distributions.Binomial(100, torch.full((8,), 0.5)).sample(),
+    "sdpa_dropout": lambda: F.scaled_dot_product_attention(
+        torch.ones(1, 4, 4), torch.ones(1, 4, 4), torch.ones(1, 4, 4), dropout_p=0.5
+    ),
+}
 
+
+@pytest.mark.parametrize("name", sorted(RANDOM_OPS))
+def test_each_random_op_uses_the_replica_stream(name):
+    op = RANDOM_OPS[name]
     with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
         torch.manual_seed(11)
-        first = strategy.experimental_local_results(strategy.run(draws))
+        first = strategy.experimental_local_results(strategy.run(op))
         torch.manual_seed(11)
-        again = strategy.experimental_local_results(strategy.run(draws))
-    assert not torch.equal(first[0], first[1])
+        again = strategy.experimental_local_results(strategy.run(op))
+        # The caller's stream moved by exactly the one seed draw of the step, whatever the op.
+        torch.manual_seed(123)
+        torch.empty((), dtype=torch.int64).random_()
+        expected_next = torch.rand(4)
+        torch.manual_seed(123)
+        strategy.run(op)
+        assert torch.equal(torch.rand(4), expected_next)
+    assert not torch.equal(first[0], first[1]), "replicas drew the same numbers"
     assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
 
 

@@ -83,8 +83,7 @@ def test_exception_in_one_replica_is_raised_with_its_id_and_releases_the_others(
 
         with pytest.raises(KeyError, match="boom") as info:
             strategy.run(fn)
-        if hasattr(info.value, "__notes__"):
-            assert "raised in replica 1 of 3 (device cpu:1)" in info.value.__notes__
+        assert "raised in replica 1 of 3 (device cpu:1)" in info.value.__notes__
         assert any(frame.name == "fn" for frame in info.traceback)  # the original traceback
         # The strategy stays usable.
         assert strategy.reduce("sum", strategy.run(lambda: torch.ones(1)), axis=None).item() == 3

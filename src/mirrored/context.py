@@ -85,13 +85,13 @@ class ReplicaContext:
         if self.num_replicas_in_sync == 1:
             return value
         leaves = [torch.as_tensor(v).detach() for v in flatten(value)]
-        everyone = self.exchange.all("all_gather", leaves)
+        everyone = self.exchange.all("all_gather", leaves, cross_device=True)
         gathered = [
             torch.cat([peer[i].to(self.device) for peer in everyone], dim=axis)
             for i in range(len(leaves))
         ]
         # Peers must not change their inputs before everyone has read them.
-        self.exchange.barrier("all_gather done")
+        self.exchange.barrier("all_gather done", cross_device=True)
         it = iter(gathered)
         return map_structure(lambda _: next(it), value)
 

@@ -93,15 +93,15 @@ class ReductionToOneDevice(CrossDeviceOps):
         )
 
     def _all_reduce_sum(self, exchange: ReplicaExchange, flat: torch.Tensor) -> None:
-        values = exchange.all("all_reduce", flat)
+        values = exchange.all("all_reduce", flat, cross_device=True)
         total = None
         if exchange.replica_id == 0:
             device = self.reduce_to_device
             destination = flat.device if device is None else device.torch_device
             total = self.reduce(ReduceOp.SUM, values, destination)
-        total = exchange.all("all_reduce broadcast", total)[0]
+        total = exchange.all("all_reduce broadcast", total, cross_device=True)[0]
         flat.copy_(total, non_blocking=True)
-        exchange.barrier("all_reduce done")
+        exchange.barrier("all_reduce done", cross_device=True)
 
 
 class HierarchicalCopyAllReduce(CrossDeviceOps):
@@ -113,7 +113,7 @@ class HierarchicalCopyAllReduce(CrossDeviceOps):
     """
 
     def _all_reduce_sum(self, exchange: ReplicaExchange, flat: torch.Tensor) -> None:
-        values = exchange.all("all_reduce", flat)
+        values = exchange.all("all_reduce", flat, cross_device=True)
         n = flat.numel()
         replicas = exchange.num_replicas
         lo = n * exchange.replica_id // replicas
@@ -128,7 +128,7 @@ class HierarchicalCopyAllReduce(CrossDeviceOps):
             for replica, value in enumerate(values):
                 if not (replica == 0 and in_place):
                     value[lo:hi].copy_(accumulator, non_blocking=True)
-        exchange.barrier("all_reduce done")
+        exchange.barrier("all_reduce done", cross_device=True)
 
 
 class NcclAllReduce(CrossDeviceOps):

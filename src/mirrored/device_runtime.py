@@ -2,10 +2,12 @@
 
 - CPU: the replica's share of the intra-op threads (logical CPU devices share the cores).
 - CUDA: the physical device, the logical device's own stream, and, with a ``memory_limit``, its
-  own memory pool, whose use is checked after each step (an out-of-memory error names the logical
-  device); the process is capped at the sum of the limits of a GPU's logical devices.
-  Allocations the autograd engine makes on its own device thread (most of backward) land in the
-  shared pool and are bounded by that process cap only.
+  own memory pool. The process is capped at the sum of the limits of a GPU's logical devices, so
+  the allocator itself refuses what goes beyond it; an out-of-memory error inside a replica names
+  its logical device. What the replica's pool still holds after a step is checked against its own
+  limit. That check is coarse: it sees memory held at the end of the step, not the peak, and
+  allocations the autograd engine makes on its own device thread (most of backward) land in the
+  shared pool, bounded by the process cap only.
 """
 
 from __future__ import annotations
@@ -36,9 +38,14 @@ class ReplicaDeviceRuntime:
                 self.pool = torch.cuda.MemPool()
 
     @contextmanager
-    def task_scope(self) -> Iterator[None]:
+    def task_scope(self, caller_stream: torch.cuda.Stream | None) -> Iterator[None]:
         """Around each replica task, on whichever thread runs it (restored afterwards): the
-        replica's share of intra-op threads, and on CUDA its device, stream and memory pool."""
+        replica's share of intra-op threads, and on CUDA its device, stream and memory pool.
+
+        The replica's stream first waits for ``caller_stream`` (the caller's work on this device:
+        input copies, parameter updates between steps); the caller waits for the replica's
+        stream after the step (``caller_waits``).
+        """
         threads = torch.get_num_threads()
         if threads != self.num_threads:
             torch.set_num_threads(self.num_threads)
@@ -53,11 +60,25 @@ class ReplicaDeviceRuntime:
                     stack.enter_context(
                         torch.cuda.use_mem_pool(self.pool, self.device.torch_device)
                     )
-                yield
+                if caller_stream is not None:
+                    self.stream.wait_stream(caller_stream)
+                try:
+                    yield
+                except torch.OutOfMemoryError as error:
+                    raise torch.OutOfMemoryError(
+                        f"logical device {self.device.short_name} (slot {self.device.slot} of "
+                        f"{self.device.physical.name}, memory_limit={self.device.memory_limit} MiB)"
+                        f" ran out of memory: {error}"
+                    ) from error
             self.check_memory()
         finally:
             if threads != self.num_threads:
                 torch.set_num_threads(threads)
+
+    def caller_waits(self, caller_stream: torch.cuda.Stream | None) -> None:
+        """Order the caller's later work on this device after this replica's step."""
+        if self.stream is not None and caller_stream is not None:
+            caller_stream.wait_stream(self.stream)
 
     def check_memory(self) -> None:
         if self.pool is None or self.device.memory_limit is None:

@@ -64,19 +64,28 @@ class MirroredStrategy(Strategy):
         self._runtimes = [ReplicaDeviceRuntime(d, threads) for d in logical]
         self._randomness = [ReplicaRandomness(i, d.torch_device) for i, d in enumerate(logical)]
         self._workers = ReplicaWorkers([d.short_name for d in logical])
+        self._caller_streams: list[torch.cuda.Stream | None] = [None] * len(logical)
         # Stop the threads when the strategy is collected without close().
         self._finalizer = weakref.finalize(self, self._workers.close, False)
 
     def _execute(self, tasks: Sequence[Callable[[], Any]], rendezvous: Rendezvous) -> list[Outcome]:
+        # The calling thread's current stream on each replica's GPU (None on the CPU).
+        self._caller_streams = [
+            torch.cuda.current_stream(d.torch_device) if d.device_type == "GPU" else None
+            for d in self.devices
+        ]
         step_seed = StepSeed()
         for randomness in self._randomness:
             randomness.start_step(step_seed)
-
-        return self._workers.run(tasks, self.timeout_seconds, rendezvous.abort)
+        try:
+            return self._workers.run(tasks, self.timeout_seconds, rendezvous.abort)
+        finally:
+            for runtime, caller_stream in zip(self._runtimes, self._caller_streams, strict=True):
+                runtime.caller_waits(caller_stream)
 
     @contextmanager
     def _replica_scope(self, replica_id: int) -> Iterator[None]:
-        with self._runtimes[replica_id].task_scope():
+        with self._runtimes[replica_id].task_scope(self._caller_streams[replica_id]):
             if self.num_replicas_in_sync == 1:
                 # One replica, on the caller's thread: the global generator is its stream.
                 yield

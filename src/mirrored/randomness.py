@@ -59,6 +59,9 @@ _ALWAYS_RANDOM: list[Callable[..., Any]] = [
     torch.bernoulli,
     torch.multinomial,
     torch.poisson,
+    torch.binomial,
+    torch._standard_gamma,  # Gamma, Beta, Chi2 sampling
+    torch._sample_dirichlet,
     torch.Tensor.uniform_,
     torch.Tensor.normal_,
     torch.Tensor.bernoulli_,

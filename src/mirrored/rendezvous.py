@@ -18,7 +18,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["ReplicaAbortedError", "Rendezvous", "ReplicaExchange", "SyncMismatchError"]
+__all__ = [
+    "Rendezvous",
+    "ReplicaAbortedError",
+    "ReplicaExchange",
+    "SyncMismatchError",
+    "SyncTimeoutError",
+]
 
 
 class SyncMismatchError(RuntimeError):
@@ -134,20 +140,36 @@ class ReplicaExchange:
     """One replica's handle on the rendezvous, aware of CUDA streams.
 
     On CUDA each replica works on its own stream, so a value posted by one replica may still be
-    being written by its stream; every receiver waits on an event recorded at the post.
+    being written by its stream: every receiver's stream waits on an event recorded at the post.
+    That covers replicas on one physical GPU. Reading or writing a peer's tensor on another
+    physical GPU runs on that GPU's streams as seen from this thread, which no event of the peer
+    orders; such sync points (``cross_device=True``) first synchronize every GPU of the strategy.
     """
 
-    def __init__(self, rendezvous: Rendezvous, replica_id: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        rendezvous: Rendezvous,
+        replica_id: int,
+        device: torch.device,
+        physical_gpus: tuple[int, ...],
+    ) -> None:
         self.rendezvous = rendezvous
         self.replica_id = replica_id
         self.num_replicas = rendezvous.num_replicas
         self.device = device
         self._cuda = device.type == "cuda"
+        self._gpus_to_synchronize = physical_gpus if len(physical_gpus) > 1 else ()
 
-    def all(self, label: str, value: Any) -> list[Any]:
-        """Every replica's ``value`` at this sync point, ordered by replica id."""
+    def all(self, label: str, value: Any, cross_device: bool = False) -> list[Any]:
+        """Every replica's ``value`` at this sync point, ordered by replica id.
+
+        ``cross_device``: the caller reads or writes peers' tensors directly around this point.
+        """
         if not self._cuda:
             return self.rendezvous.exchange(self.replica_id, label, value)
+        if cross_device:
+            for index in self._gpus_to_synchronize:
+                torch.cuda.synchronize(index)
         event = torch.cuda.Event()
         event.record()
         posted = self.rendezvous.exchange(self.replica_id, label, (value, event))
@@ -156,5 +178,5 @@ class ReplicaExchange:
             stream.wait_event(peer_event)
         return [v for v, _ in posted]
 
-    def barrier(self, label: str) -> None:
-        self.all(label, None)
+    def barrier(self, label: str, cross_device: bool = False) -> None:
+        self.all(label, None, cross_device)

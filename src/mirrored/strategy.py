@@ -63,6 +63,9 @@ class Strategy:
         self.cross_device_ops = cross_device_ops
         self.timeout_seconds = timeout_seconds
         self._replicated: weakref.WeakSet[Replicated] = weakref.WeakSet()
+        self._physical_gpus = tuple(
+            sorted({d.physical.index for d in self.devices if d.device_type == "GPU"})
+        )
 
     # -- identity ---------------------------------------------------------------------------------
     @property
@@ -146,10 +149,17 @@ class Strategy:
         kwargs: dict[str, Any],
         global_batch_size: int | None,
     ) -> Any:
-        exchange = ReplicaExchange(rendezvous, replica_id, self.devices[replica_id].torch_device)
+        exchange = ReplicaExchange(
+            rendezvous, replica_id, self.devices[replica_id].torch_device, self._physical_gpus
+        )
         replica = context.ReplicaContext(self, replica_id, exchange, global_batch_size)
         try:
             with context.replica_scope(replica), self._replica_scope(replica_id):
+                for leaf in flatten((args, kwargs)):
+                    if isinstance(leaf, torch.Tensor) and leaf.is_cuda:
+                        # Made on the caller's stream, used on this replica's: keep its memory
+                        # from being reused before this replica is done with it.
+                        leaf.record_stream(torch.cuda.current_stream())
                 return fn(*args, **kwargs)
         except BaseException as error:
             rendezvous.abort(error)
@@ -171,8 +181,9 @@ class Strategy:
             f"raised in replica {replica_id} of {self.num_replicas_in_sync} "
             f"(device {self.devices[replica_id].short_name})"
         )
-        if hasattr(error, "add_note") and note not in getattr(error, "__notes__", ()):
-            error.add_note(note)
+        notes: list[str] = getattr(error, "__notes__", [])
+        if note not in notes:
+            error.__notes__ = [*notes, note]  # type: ignore[attr-defined]  # add_note, on 3.10 too
         return error
 
     def _execute(self, tasks: Sequence[Callable[[], Any]], rendezvous: Rendezvous) -> list[Outcome]:
@@ -343,7 +354,7 @@ class _DefaultStrategy(Strategy):
     def __init__(self) -> None:
         super().__init__(list_logical_devices("CPU")[:1], HierarchicalCopyAllReduce(), None)
         self._default_replica = context.ReplicaContext(
-            self, 0, ReplicaExchange(Rendezvous(1, None), 0, torch.device("cpu"))
+            self, 0, ReplicaExchange(Rendezvous(1, None), 0, torch.device("cpu"), ())
         )
 
     def default_replica_context(self) -> context.ReplicaContext:
