@@ -1,9 +1,10 @@
 """Train an MLP classifier with a custom training loop on N logical CPU devices.
 
-The users' second program (MISSION.md), written as TensorFlow's MirroredStrategy would run it: one
-physical CPU split into N logical devices, one copy of the model on each, every global batch split
-across them, gradients summed before each synchronous update. The data are scikit-learn's bundled
-handwritten digits (1797 8x8 images, no download) or any .npz with arrays x and y.
+In the spirit of the users' data-parallel programs (MISSION.md), as TensorFlow's MirroredStrategy
+would run them: one physical CPU split into N logical devices, one copy of the model on each,
+every global batch split across them, gradients summed before each synchronous update. The data
+are scikit-learn's bundled handwritten digits (1797 8x8 images, no download) or any .npz with
+arrays x and y.
 
     python examples/custom_training_loop.py --devices 4 --epochs 10
 """

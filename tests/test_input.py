@@ -66,3 +66,14 @@ def test_datasets_from_function_take_one_batch_per_replica():
         assert [b.global_batch_size for b in batches] == [6, 4]
         with pytest.raises(ValueError, match="not divisible"):
             mirrored.InputContext(1, 0, 4).get_per_replica_batch_size(6)
+
+
+def test_the_default_strategy_leaves_batches_where_they_are():
+    strategy = mirrored.get_strategy()
+    batch = torch.empty(4, 3, device="meta")  # any device: moving a meta tensor would fail
+    (shards,) = list(strategy.experimental_distribute_dataset([batch]))
+    assert shards.values[0].device.type == "meta"
+    values = strategy.experimental_distribute_values_from_function(
+        lambda ctx: torch.empty(2, device="meta")
+    )
+    assert strategy.experimental_local_results(values)[0].device.type == "meta"

@@ -263,6 +263,24 @@ def test_constructor_errors_name_the_problem():
         mirrored.MirroredStrategy(["cpu:0"], "nccl")
     with pytest.raises(ValueError, match="timeout_seconds=0"):
         mirrored.MirroredStrategy(["cpu:0"], timeout_seconds=0)
+    with pytest.raises(TypeError, match=r"devices='cpu:0': expected a list of devices"):
+        mirrored.MirroredStrategy("cpu:0")
+    with pytest.raises(ValueError, match="num_packs=-1"):
+        mirrored.HierarchicalCopyAllReduce(num_packs=-1)
+    with pytest.raises(ValueError, match="bytes_per_pack='big'"):
+        mirrored.ReductionToOneDevice(bytes_per_pack="big")
+
+
+def test_run_argument_errors():
+    with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
+        with pytest.raises(TypeError, match=r"pass args=\(batch,\)"):
+            strategy.run(lambda x: x, args={"x": 1})
+        with pytest.raises(ValueError, match="results of different structure"):
+            strategy.run(
+                lambda: [0] * (1 + mirrored.get_replica_context().replica_id_in_sync_group)
+            )
+        with pytest.raises(ValueError, match="results of different structure"):
+            strategy.run(lambda: {mirrored.get_replica_context().replica_id_in_sync_group: 0})
 
 
 def test_reduce_to_device_accepts_any_device_name():

@@ -82,6 +82,7 @@ class LogicalDevice:
 
     @property
     def torch_device(self) -> torch.device:
+        """The torch device tensors of this logical device live on (its physical device's)."""
         return self.physical.torch_device
 
     @property

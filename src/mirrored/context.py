@@ -58,10 +58,12 @@ class ReplicaContext:
 
     @property
     def num_replicas_in_sync(self) -> int:
+        """The number of replicas of the strategy running this replica."""
         return self.strategy.num_replicas_in_sync
 
     @property
     def device(self) -> torch.device:
+        """This replica's torch device."""
         return self.exchange.device
 
     def all_reduce(self, reduce_op: ReduceOp | str, value: Any) -> Any:

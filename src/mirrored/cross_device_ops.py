@@ -1,8 +1,9 @@
 """All-reduce algorithms between the replicas of one process (TensorFlow's cross-device ops).
 
 Each algorithm is collective: every replica thread calls ``all_reduce`` with its own flat bucket
-and gets the sum (or mean) back in place. Sums are taken in replica order by every algorithm, so
-all of them give bit-identical results and a run is reproducible.
+and gets the sum back in place. ``ReductionToOneDevice`` and ``HierarchicalCopyAllReduce`` sum in
+replica order, so they give bit-identical results and a run is reproducible; NCCL sums in the
+order of its own ring or tree (reproducible for a fixed device set, not identical to the others).
 
 - ``ReductionToOneDevice``: every bucket is summed on one device, then copied back to all.
 - ``HierarchicalCopyAllReduce``: each replica sums its own slice of every bucket across replicas
@@ -50,6 +51,7 @@ class CrossDeviceOps:
         """Raise ValueError if this algorithm cannot run on ``devices``."""
 
     def plan(self, tensors: Sequence[torch.Tensor]) -> tuple[Bucket, ...]:
+        """The buckets ``tensors`` go into, by ``num_packs`` / ``bytes_per_pack``."""
         return plan_buckets(
             [t.shape for t in tensors],
             [t.dtype for t in tensors],

@@ -81,6 +81,7 @@ class ReplicaDeviceRuntime:
             caller_stream.wait_stream(self.stream)
 
     def check_memory(self) -> None:
+        """Raise OutOfMemoryError if the replica's pool holds more than its memory_limit."""
         if self.pool is None or self.device.memory_limit is None:
             return
         used = sum(segment["allocated_size"] for segment in self.pool.snapshot())

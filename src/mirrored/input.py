@@ -36,6 +36,7 @@ class InputContext:
     num_replicas_in_sync: int = 1
 
     def get_per_replica_batch_size(self, global_batch_size: int) -> int:
+        """The batch each replica gets; ``global_batch_size`` must divide evenly."""
         if global_batch_size % self.num_replicas_in_sync:
             raise ValueError(
                 f"global_batch_size={global_batch_size} is not divisible by "
@@ -83,8 +84,13 @@ def batch_size_of(batch: Any) -> int:
     return sizes.pop()
 
 
-def split_batch(batch: Any, devices: Sequence[torch.device]) -> Any:
-    """One global batch -> the same structure with ``PerReplicaShards`` leaves on ``devices``."""
+def _place(tensor: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+    return tensor if device is None else tensor.to(device, non_blocking=True)
+
+
+def split_batch(batch: Any, devices: Sequence[torch.device | None]) -> Any:
+    """One global batch -> the same structure with ``PerReplicaShards`` leaves on ``devices``
+    (a None device leaves its shard where the batch is)."""
     batch = map_structure(_as_tensor, batch)
     global_batch_size = batch_size_of(batch)
     sizes = shard_sizes(global_batch_size, len(devices))
@@ -94,14 +100,14 @@ def split_batch(batch: Any, devices: Sequence[torch.device]) -> Any:
             return leaf
         shards = torch.split(leaf, sizes)
         return PerReplicaShards(
-            [s.to(d, non_blocking=True) for s, d in zip(shards, devices, strict=True)],
+            [_place(s, d) for s, d in zip(shards, devices, strict=True)],
             global_batch_size,
         )
 
     return map_structure(split, batch)
 
 
-def stack_replica_batches(batches: Sequence[Any], devices: Sequence[torch.device]) -> Any:
+def stack_replica_batches(batches: Sequence[Any], devices: Sequence[torch.device | None]) -> Any:
     """Per-replica batches (one per replica, missing ones at the end) -> PerReplicaShards leaves.
 
     Replicas without a batch get empty shards shaped like the last batch's.
@@ -117,7 +123,7 @@ def stack_replica_batches(batches: Sequence[Any], devices: Sequence[torch.device
         if not isinstance(leaves[0], torch.Tensor) or leaves[0].dim() == 0:
             return leaves[0]
         return PerReplicaShards(
-            [t.to(d, non_blocking=True) for t, d in zip(leaves, devices, strict=True)],
+            [_place(t, d) for t, d in zip(leaves, devices, strict=True)],
             global_batch_size,
         )
 
@@ -135,8 +141,10 @@ class DistributedDataset:
 
 
 def distribute_global_batches(
-    dataset: Iterable[Any], devices: Sequence[torch.device]
+    dataset: Iterable[Any], devices: Sequence[torch.device | None]
 ) -> DistributedDataset:
+    """Each global batch of ``dataset`` split into per-replica shards on ``devices``."""
+
     def batches() -> Iterator[Any]:
         for batch in dataset:
             yield split_batch(batch, devices)
@@ -145,7 +153,7 @@ def distribute_global_batches(
 
 
 def distribute_replica_batches(
-    datasets: Sequence[Iterable[Any]], devices: Sequence[torch.device]
+    datasets: Sequence[Iterable[Any]], devices: Sequence[torch.device | None]
 ) -> DistributedDataset:
     """Input pipelines yielding per-replica batches; each step takes one batch per replica,
     dealt round-robin over the pipelines."""

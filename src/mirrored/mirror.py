@@ -3,8 +3,16 @@
 ``strategy.mirror(model, optimizer)`` returns proxies. Inside ``strategy.run`` they resolve to the
 current replica; outside, to replica 0 (the user's original module, moved to the first device).
 ``optimizer.step()`` inside a replica is the merge point of a step: the gradients of all replicas
-are summed (packed into buckets, see :mod:`mirrored.cross_device_ops`) and every replica applies
-the same update with its own optimizer, so the replicas never diverge.
+are summed and every replica ends the step with the same parameters. Two ways:
+
+- replicas that share one device's memory, with ``HierarchicalCopyAllReduce`` (the default there)
+  and a built-in per-parameter optimizer: each parameter's gradient is summed and updated once,
+  by its owner replica, which copies the result to the others (:mod:`mirrored.sharded_update`);
+- otherwise: the gradients are packed into buckets and all-reduced with the strategy's
+  cross-device op (:mod:`mirrored.cross_device_ops`), and every replica applies the same update
+  with its own optimizer.
+
+A run that fails midway resyncs every replica from replica 0, so they never diverge.
 """
 
 from __future__ import annotations
@@ -205,10 +213,12 @@ class MirroredOptimizer:
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
+        """The original optimizer's groups: change hyperparameters here (schedulers do)."""
         return self.optimizers[0].param_groups
 
     @property
     def defaults(self) -> dict[str, Any]:
+        """The original optimizer's defaults."""
         return self.optimizers[0].defaults
 
     def __repr__(self) -> str:

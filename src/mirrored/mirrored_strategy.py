@@ -47,6 +47,10 @@ class MirroredStrategy(Strategy):
         *,
         timeout_seconds: float | None = 1800.0,
     ) -> None:
+        if isinstance(devices, (str, torch.device)):
+            raise TypeError(
+                f"devices={devices!r}: expected a list of devices, such as [{str(devices)!r}]"
+            )
         logical = config.resolve_devices(devices) if devices is not None else default_devices()
         if cross_device_ops is not None and not isinstance(cross_device_ops, CrossDeviceOps):
             raise TypeError(

@@ -1,8 +1,9 @@
 """Where the replica threads of one ``strategy.run`` meet to exchange values.
 
 Every sync point (an all-reduce, a merge call, ``optimizer.step``) is one ``exchange``: each
-replica posts a value and receives the list of all replicas' values. The rendezvous is what makes
-a multi-replica step impossible to hang:
+replica posts a value and receives the list of all replicas' values. The rendezvous is what keeps
+a multi-replica step from hanging (with ``timeout_seconds=None`` a missing replica is waited for
+forever, by request):
 
 - a replica that fails aborts the rendezvous, releasing every replica waiting at a sync point;
 - replicas that meet at different sync points (one in ``optimizer.step``, one in ``all_reduce``),

@@ -70,10 +70,17 @@ class Strategy:
     # -- identity ---------------------------------------------------------------------------------
     @property
     def num_replicas_in_sync(self) -> int:
+        """The number of replicas a step runs on (global batch = this x per-replica batch)."""
         return len(self.devices)
 
     @property
+    def _input_devices(self) -> tuple[torch.device | None, ...]:
+        """Where input shards go (None: stay where they are)."""
+        return self.torch_devices
+
+    @property
     def torch_devices(self) -> tuple[torch.device, ...]:
+        """The torch device of each replica (logical devices of one GPU share one)."""
         return tuple(d.torch_device for d in self.devices)
 
     def __repr__(self) -> str:
@@ -100,6 +107,11 @@ class Strategy:
                 "strategy.run() was called inside a replica function; call it from the training "
                 "loop (cross-replica context), once per step"
             )
+        if not isinstance(args, (tuple, list)):
+            raise TypeError(
+                f"args must be a tuple or list of positional arguments, got "
+                f"{type(args).__name__}; pass args=(batch,)"
+            )
         kwargs = kwargs or {}
         global_batch_size = _global_batch_size(args, kwargs)
         rendezvous = Rendezvous(self.num_replicas_in_sync, self.timeout_seconds)
@@ -124,7 +136,13 @@ class Strategy:
         if failures:
             self._resync_replicated()
             raise self._root_error(failures, rendezvous)
-        return regroup([o[1] for o in outcomes])
+        try:
+            return regroup([o[1] for o in outcomes])
+        except (ValueError, TypeError, KeyError) as error:
+            raise ValueError(
+                "the replicas returned results of different structure; return the same "
+                f"structure (same keys, lengths and nesting) from every replica: {error!r}"
+            ) from error
 
     def track_replicated(self, replicated: Replicated) -> None:
         """Resync ``replicated`` from replica 0 whenever a run fails, so that a step that failed
@@ -279,7 +297,7 @@ class Strategy:
     def experimental_distribute_dataset(self, dataset: Iterable[Any]) -> DistributedDataset:
         """Split each global batch of ``dataset`` (a DataLoader or any iterable of batches) into
         per-replica shards on the replicas' devices."""
-        return distribute_global_batches(dataset, self.torch_devices)
+        return distribute_global_batches(dataset, self._input_devices)
 
     def distribute_datasets_from_function(
         self, dataset_fn: Callable[[InputContext], Iterable[Any]]
@@ -287,7 +305,7 @@ class Strategy:
         """``dataset_fn(input_context)`` builds a dataset of per-replica batches; each step takes
         one batch per replica."""
         input_context = InputContext(1, 0, self.num_replicas_in_sync)
-        return distribute_replica_batches([dataset_fn(input_context)], self.torch_devices)
+        return distribute_replica_batches([dataset_fn(input_context)], self._input_devices)
 
     def experimental_distribute_values_from_function(
         self, value_fn: Callable[[ValueContext], Any]
@@ -295,7 +313,7 @@ class Strategy:
         """A PerReplica of ``value_fn(ValueContext(replica_id, n))``, tensors on each device."""
         values = [
             _to_device(value_fn(ValueContext(replica_id, self.num_replicas_in_sync)), device)
-            for replica_id, device in enumerate(self.torch_devices)
+            for replica_id, device in enumerate(self._input_devices)
         ]
         return regroup(values) if self.num_replicas_in_sync > 1 else PerReplica(values)
 
@@ -335,7 +353,9 @@ class Strategy:
         self.close()
 
 
-def _to_device(structure: Any, device: torch.device) -> Any:
+def _to_device(structure: Any, device: torch.device | None) -> Any:
+    if device is None:
+        return structure
     return map_structure(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, structure)
 
 
@@ -356,6 +376,10 @@ class _DefaultStrategy(Strategy):
         self._default_replica = context.ReplicaContext(
             self, 0, ReplicaExchange(Rendezvous(1, None), 0, torch.device("cpu"), ())
         )
+
+    @property
+    def _input_devices(self) -> tuple[torch.device | None, ...]:
+        return (None,)
 
     def default_replica_context(self) -> context.ReplicaContext:
         return self._default_replica
@@ -379,4 +403,5 @@ class _DefaultStrategy(Strategy):
 
 @functools.cache
 def default_strategy() -> _DefaultStrategy:
+    """The one-replica strategy in effect outside any ``strategy.scope()``."""
     return _DefaultStrategy()
