@@ -49,6 +49,15 @@ OPTIMIZERS: dict[str, Callable[[nn.Module], torch.optim.Optimizer]] = {
 }
 
 
+CROSS_DEVICE_OPS = {
+    "default": lambda: None,
+    "hierarchical": lambda: mirrored.HierarchicalCopyAllReduce(),
+    "one_device": lambda: mirrored.ReductionToOneDevice(),
+    "hierarchical_unpacked": lambda: mirrored.HierarchicalCopyAllReduce(num_packs=0),
+    "one_device_small_packs": lambda: mirrored.ReductionToOneDevice(bytes_per_pack=1024),
+}
+
+
 def train_plain(
     model: nn.Module, optimizer: torch.optim.Optimizer, batches: Sequence[Batch]
 ) -> list[float]:
