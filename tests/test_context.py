@@ -120,3 +120,26 @@ def test_all_gather_is_not_disturbed_by_a_replica_changing_its_input_afterwards(
         for _ in range(20):
             for gathered in strategy.experimental_local_results(strategy.run(fn)):
                 assert torch.equal(gathered, expected)
+
+
+def test_collectives_give_the_same_kinds_of_result_with_one_replica():
+    with mirrored.MirroredStrategy(["cpu:0"]) as strategy:
+        weight = torch.ones(2, requires_grad=True)
+
+        def fn():
+            replica = mirrored.get_replica_context()
+            total = replica.all_reduce("sum", weight * 2)
+            mean = replica.all_reduce("mean", torch.tensor(3))
+            gathered = replica.all_gather(weight * 1, axis=0)
+            return total.requires_grad, mean.dtype, gathered.requires_grad
+
+        assert strategy.run(fn) == (False, torch.float32, False)
+
+
+def test_results_may_be_dict_subclasses():
+    import collections
+
+    with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
+        result = strategy.run(lambda: collections.defaultdict(list, {"loss": torch.ones(1)}))
+        assert isinstance(result, collections.defaultdict)
+        assert strategy.reduce("sum", result, axis=None)["loss"].item() == 2

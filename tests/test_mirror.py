@@ -228,3 +228,40 @@ def test_cross_replica_changes_reach_every_replica(strategy):
         model.half()
     inside = strategy.run(lambda: id(model[0]))  # inside run: the replica's own submodule
     assert strategy.experimental_local_results(inside) == tuple(id(r[0]) for r in model.replicas)
+
+
+@pytest.mark.parametrize("ops", [mirrored.HierarchicalCopyAllReduce, mirrored.ReductionToOneDevice])
+def test_a_learning_rate_set_by_replica_0_inside_the_step_reaches_every_replica(ops):
+    with mirrored.MirroredStrategy(["cpu:0", "cpu:1"], ops()) as strategy:
+        module = nn.Linear(3, 1)
+        model, optimizer = strategy.mirror(module, torch.optim.SGD(module.parameters(), 0.1))
+
+        def step():
+            if mirrored.get_replica_context().replica_id_in_sync_group == 0:
+                optimizer.param_groups[0]["lr"] = 10.0  # e.g. a warm-up set in the step
+            model(torch.ones(2, 3)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        for _ in range(3):
+            strategy.run(step)
+        assert_replicas_identical(model)
+
+
+def test_mirrored_module_behaves_like_an_object_users_probe():
+    import copy
+
+    with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
+        model = strategy.mirror(nn.ModuleDict({"a": nn.Linear(2, 2), "b": nn.ReLU()}))
+        assert bool(model) and hasattr(model, "to") and model.training
+        assert list(model) == ["a", "b"]
+        assert isinstance(model["a"], mirrored.MirroredModule)
+        with pytest.raises(TypeError, match="change one replica only"):
+            model.to("cpu")
+        with pytest.raises(TypeError, match="cannot be deep-copied"):
+            copy.deepcopy(model)
+        calls = []
+        with model["a"].register_forward_pre_hook(lambda *_: calls.append(1)):
+            strategy.run(lambda: model["a"](torch.ones(1, 2)))
+        strategy.run(lambda: model["a"](torch.ones(1, 2)))
+        assert len(calls) == 2

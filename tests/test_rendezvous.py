@@ -248,9 +248,10 @@ def test_close_does_not_hang_on_a_stuck_replica():
         release.set()
 
 
-def test_replicas_are_resynced_after_a_step_that_failed_on_one_replica():
-    with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
-        module = torch.nn.Linear(3, 2)
+@pytest.mark.parametrize("ops", [mirrored.HierarchicalCopyAllReduce, mirrored.ReductionToOneDevice])
+def test_replicas_are_resynced_after_a_step_that_failed_on_one_replica(ops):
+    with mirrored.MirroredStrategy(["cpu:0", "cpu:1"], ops()) as strategy:
+        module = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
         optimizer = torch.optim.SGD(module.parameters(), lr=0.5, momentum=0.9)
         model, mirrored_optimizer = strategy.mirror(module, optimizer)
         fail = {"once": True}
@@ -267,10 +268,36 @@ def test_replicas_are_resynced_after_a_step_that_failed_on_one_replica():
             mirrored_optimizer.step()
             mirrored_optimizer.zero_grad()
 
-        mirrored_optimizer._sharded = None  # every replica updates: replica 0 gets ahead
         with pytest.raises(MemoryError):
             strategy.run(step)
         first, second = (list(r.parameters()) for r in model.replicas)
         assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
         strategy.run(step)
         assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+
+
+def test_a_failing_resync_never_hides_the_original_error():
+    class WithExtraState(torch.nn.Linear):
+        def get_extra_state(self):
+            return {"note": "not a tensor"}
+
+        def set_extra_state(self, state):
+            pass
+
+    with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
+        model = strategy.mirror(WithExtraState(2, 2))
+
+        def fn():
+            model(torch.ones(1, 2))
+            if mirrored.get_replica_context().replica_id_in_sync_group == 1:
+                raise ValueError("the real error")
+
+        with pytest.raises(ValueError, match="the real error"):
+            strategy.run(fn)
+
+
+def test_close_inside_a_replica_function_is_an_error_not_a_hang():
+    with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
+        with pytest.raises(RuntimeError, match="inside a replica function"):
+            strategy.run(strategy.close)
+        assert strategy.run(lambda: 1) == 1

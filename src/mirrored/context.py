@@ -70,8 +70,6 @@ class ReplicaContext:
         """Reduce a nested structure of tensors (or numbers) across replicas; every replica
         receives the result on its own device. Not differentiable: the result is detached."""
         op = ReduceOp.of(reduce_op)
-        if self.num_replicas_in_sync == 1:
-            return value
         leaves = flatten(value)
         tensors = [torch.as_tensor(v, device=self.device).detach() for v in leaves]
         reduced = iter(self.strategy.all_reduce_tensors(self, op, tensors))
@@ -84,9 +82,10 @@ class ReplicaContext:
     def all_gather(self, value: Any, axis: int) -> Any:
         """Concatenate each tensor of a nested structure along ``axis`` across replicas,
         in replica order; shards may differ in size along ``axis``. Detached."""
-        if self.num_replicas_in_sync == 1:
-            return value
         leaves = [torch.as_tensor(v).detach() for v in flatten(value)]
+        if self.num_replicas_in_sync == 1:
+            it = iter(leaves)
+            return map_structure(lambda _: next(it), value)
         everyone = self.exchange.all("all_gather", leaves, cross_device=True)
         gathered = [
             torch.cat([peer[i].to(self.device) for peer in everyone], dim=axis)

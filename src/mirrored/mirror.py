@@ -43,6 +43,13 @@ def _replica_context_of(strategy: Strategy) -> ReplicaContext | None:
     return replica if replica is not None and replica.strategy is strategy else None
 
 
+def _tensors_of(module: nn.Module) -> list[torch.Tensor]:
+    """Parameters then buffers, in a fixed order that is the same on every replica."""
+    return [p for _, p in module.named_parameters(remove_duplicate=False)] + [
+        b for _, b in module.named_buffers(remove_duplicate=False)
+    ]
+
+
 class _Handles:
     """The hook handles of every replica, removed together."""
 
@@ -53,10 +60,17 @@ class _Handles:
         for handle in self.handles:
             handle.remove()
 
+    def __enter__(self) -> _Handles:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.remove()
+
 
 # nn.Module methods that would move or retype one replica only.
 _FORBIDDEN = {"to", "cuda", "cpu", "xpu", "half", "float", "double", "bfloat16", "type", "to_empty"}
-# nn.Module methods that must reach every replica (structure, flags, hooks).
+# nn.Module methods that must reach every replica (flags, hooks). Structural changes
+# (register_buffer, add_module) belong before strategy.mirror().
 _BROADCAST = {
     "requires_grad_",
     "register_forward_hook",
@@ -103,11 +117,10 @@ class MirroredModule:
         return self._current()(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in ("_strategy", "replicas"):
+            raise AttributeError(name)  # copy/pickle probes, or a half-built object
         if name in _FORBIDDEN:
-            raise TypeError(
-                f"model.{name}() on a mirrored module would change one replica only; move or "
-                "retype the module before strategy.mirror()"
-            )
+            return lambda *args, **kwargs: _refuse(name)
         if self._in_replica():
             return getattr(self._current(), name)
         if name in _BROADCAST:
@@ -118,6 +131,20 @@ class MirroredModule:
         results = [getattr(r, name)(*args, **kwargs) for r in self.replicas]
         return self if isinstance(results[0], nn.Module) else _Handles(results)
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        raise TypeError(
+            "a mirrored module stands for N replicas and cannot be deep-copied; copy "
+            "model.module (replica 0) or save model.state_dict()"
+        )
+
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            "a mirrored module cannot be pickled; save model.state_dict() (or model.module)"
+        )
+
+    def __bool__(self) -> bool:
+        return True
+
     def __getitem__(self, index: Any) -> Any:
         if self._in_replica():
             return self._current()[index]  # type: ignore[index]
@@ -127,7 +154,10 @@ class MirroredModule:
         return len(self.replicas[0])
 
     def __iter__(self) -> Any:
-        return iter(self[i] for i in range(len(self)))
+        if self._in_replica():
+            return iter(self._current())  # type: ignore[call-overload]
+        children = zip(*self.replicas, strict=True)
+        return (self._cross_replica(parts) for parts in children)
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(
@@ -156,11 +186,11 @@ class MirroredModule:
 
     def resync(self) -> None:
         """Copy replica 0's parameters and buffers into the other replicas."""
-        first = self.replicas[0].state_dict(keep_vars=True)
+        first = _tensors_of(self.replicas[0])
         with torch.no_grad():
             for replica in self.replicas[1:]:
-                for name, value in replica.state_dict(keep_vars=True).items():
-                    value.copy_(first[name])
+                for mine, source in zip(_tensors_of(replica), first, strict=True):
+                    mine.copy_(source)
 
     def train(self, mode: bool = True) -> MirroredModule:
         """Set training mode on every replica."""
@@ -251,10 +281,19 @@ class MirroredOptimizer:
     def _step(self, replica: ReplicaContext) -> Any:
         replica_id = replica.replica_id_in_sync_group
         optimizer = self.optimizers[replica_id]
-        if replica_id:  # before the first sync point: replica 0 may change its groups after it
-            for group, primary in zip(optimizer.param_groups, self.param_groups, strict=True):
-                group.update({k: v for k, v in primary.items() if k != "params"})
         if replica.num_replicas_in_sync > 1:
+            # Replica 0's hyperparameters as of this step (an LR schedule, a warm-up set inside
+            # the replica function), snapshotted by replica 0 so that no replica reads its groups
+            # while it changes them.
+            snapshot = None
+            if replica_id == 0:
+                snapshot = [
+                    {k: v for k, v in g.items() if k != "params"} for g in self.param_groups
+                ]
+            hyperparameters = replica.exchange.all("optimizer.step", snapshot)[0]
+            if replica_id:
+                for group, values in zip(optimizer.param_groups, hyperparameters, strict=True):
+                    group.update(values)
             _check_dense(self._params[replica_id])
             if self._sharded is not None:
                 self._sharded.reduce_gradients(replica)
@@ -273,7 +312,7 @@ class MirroredOptimizer:
         params = self._params[replica_id]
         grads = [p.grad for p in params]
         has_grad = tuple(g is not None for g in grads)
-        everyone = replica.exchange.all("optimizer.step", has_grad)
+        everyone = replica.exchange.all("optimizer.step: gradients", has_grad)
         reduced = tuple(any(flags) for flags in zip(*everyone, strict=True))
         indices = [i for i, flag in enumerate(reduced) if flag]
         if not indices:
@@ -327,6 +366,13 @@ class MirroredOptimizer:
             _load_own_copy(optimizer, state_dict)
         if self._sharded is not None:
             self._sharded.share_state()
+
+
+def _refuse(name: str) -> None:
+    raise TypeError(
+        f"model.{name}() on a mirrored module would change one replica only; move or retype "
+        "the module before strategy.mirror()"
+    )
 
 
 def _check_dense(params: Sequence[nn.Parameter]) -> None:

@@ -11,6 +11,7 @@ import torch
 
 from mirrored import config
 from mirrored.config import DeviceSpec, LogicalDevice
+from mirrored.context import current_replica_context
 from mirrored.cross_device_ops import CrossDeviceOps, choose_cross_device_ops
 from mirrored.device_runtime import ReplicaDeviceRuntime, cap_process_memory
 from mirrored.randomness import ReplicaRandomness, StepSeed
@@ -102,5 +103,10 @@ class MirroredStrategy(Strategy):
 
     def close(self) -> None:
         """Stop the worker threads; the strategy cannot run afterwards."""
+        if current_replica_context() is not None:
+            raise RuntimeError(
+                "strategy.close() was called inside a replica function; close the strategy "
+                "from the training loop, after strategy.run() returns"
+            )
         if self._finalizer.detach() is not None:
             self._workers.close(wait=True)

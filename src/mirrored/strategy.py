@@ -9,6 +9,7 @@ are split into per-replica shards. Subclasses say only how replica functions are
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -63,6 +64,7 @@ class Strategy:
         self.cross_device_ops = cross_device_ops
         self.timeout_seconds = timeout_seconds
         self._replicated: weakref.WeakSet[Replicated] = weakref.WeakSet()
+        self._run_lock = threading.Lock()
         self._physical_gpus = tuple(
             sorted({d.physical.index for d in self.devices if d.device_type == "GPU"})
         )
@@ -127,32 +129,41 @@ class Strategy:
             )
             for replica_id in range(self.num_replicas_in_sync)
         ]
-        try:
-            outcomes = self._execute(tasks, rendezvous)
-        except BaseException:
-            self._resync_replicated()
-            raise
-        failures = [(i, o[1]) for i, o in enumerate(outcomes) if not o[0]]
-        if failures:
-            self._resync_replicated()
-            raise self._root_error(failures, rendezvous)
+        # One run at a time, from any number of caller threads: a failed run's resync must not
+        # touch the replicas of another caller's run.
+        with self._run_lock:
+            try:
+                outcomes = self._execute(tasks, rendezvous)
+            except BaseException as interrupted:
+                self._resync_replicated(interrupted)
+                raise
+            failures = [(i, o[1]) for i, o in enumerate(outcomes) if not o[0]]
+            if failures:
+                root = self._root_error(failures, rendezvous)
+                self._resync_replicated(root)
+                raise root
         try:
             return regroup([o[1] for o in outcomes])
-        except (ValueError, TypeError, KeyError) as error:
+        except (ValueError, KeyError) as mismatch:
             raise ValueError(
                 "the replicas returned results of different structure; return the same "
-                f"structure (same keys, lengths and nesting) from every replica: {error!r}"
-            ) from error
+                f"structure (same keys, lengths and nesting) from every replica: {mismatch!r}"
+            ) from mismatch
 
     def track_replicated(self, replicated: Replicated) -> None:
         """Resync ``replicated`` from replica 0 whenever a run fails, so that a step that failed
         on some replicas after others had updated cannot leave them diverged."""
         self._replicated.add(replicated)
 
-    def _resync_replicated(self) -> None:
-        if self._usable():
+    def _resync_replicated(self, error: BaseException) -> None:
+        """After a failed run; a failure to resync is noted on ``error``, never replaces it."""
+        if not self._usable():
+            return
+        try:
             for replicated in list(self._replicated):
                 replicated.resync()
+        except Exception as resync_error:
+            _add_note(error, f"and resyncing the replicas afterwards failed: {resync_error!r}")
 
     def _usable(self) -> bool:
         """False once replicas are stuck in user code (their state cannot be trusted)."""
@@ -199,9 +210,7 @@ class Strategy:
             f"raised in replica {replica_id} of {self.num_replicas_in_sync} "
             f"(device {self.devices[replica_id].short_name})"
         )
-        notes: list[str] = getattr(error, "__notes__", [])
-        if note not in notes:
-            error.__notes__ = [*notes, note]  # type: ignore[attr-defined]  # add_note, on 3.10 too
+        _add_note(error, note)
         return error
 
     def _execute(self, tasks: Sequence[Callable[[], Any]], rendezvous: Rendezvous) -> list[Outcome]:
@@ -218,8 +227,8 @@ class Strategy:
     ) -> list[torch.Tensor]:
         """Collective: reduce a list of tensors across replicas, packed into buckets. Every
         replica must pass the same shapes and dtypes (a ValueError naming them otherwise)."""
-        if self.num_replicas_in_sync == 1:
-            return list(tensors)
+        if self.num_replicas_in_sync == 1:  # the same results as N > 1 would give
+            return [t / 1 if reduce_op is ReduceOp.MEAN else t for t in tensors]
         signature = [(tuple(t.shape), t.dtype) for t in tensors]
         everyone = replica.exchange.all("all_reduce", signature)
         if any(other != signature for other in everyone):
@@ -351,6 +360,13 @@ class Strategy:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _add_note(error: BaseException, note: str) -> None:
+    """``error.add_note(note)``, on Python 3.10 too, once."""
+    notes: list[str] = getattr(error, "__notes__", [])
+    if note not in notes:
+        error.__notes__ = [*notes, note]  # type: ignore[attr-defined]
 
 
 def _to_device(structure: Any, device: torch.device | None) -> Any:

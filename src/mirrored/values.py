@@ -7,6 +7,7 @@ are handled leaf by leaf, as in ``tf.nest``.
 
 from __future__ import annotations
 
+import copy
 import enum
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -54,7 +55,13 @@ def map_structure(fn: Callable[..., Any], *structures: Any) -> Any:
     """Apply ``fn`` to the leaves of same-shaped nested structures, keeping the shape."""
     first = structures[0]
     if isinstance(first, dict):
-        return type(first)((k, map_structure(fn, *(s[k] for s in structures))) for k in first)
+        pairs = [(k, map_structure(fn, *(s[k] for s in structures))) for k in first]
+        if type(first) is dict:
+            return dict(pairs)
+        result = copy.copy(first)  # dict subclasses (defaultdict, OrderedDict) keep their type
+        result.clear()
+        result.update(pairs)
+        return result
     if _is_namedtuple(first):
         return type(first)(*(map_structure(fn, *parts) for parts in zip(*structures, strict=True)))
     if isinstance(first, (list, tuple)):
