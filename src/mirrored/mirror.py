@@ -285,20 +285,23 @@ class MirroredOptimizer:
             # Replica 0's hyperparameters as of this step (an LR schedule, a warm-up set inside
             # the replica function), snapshotted by replica 0 so that no replica reads its groups
             # while it changes them.
+            # It travels with the gradients: one sync point opens the step.
             snapshot = None
             if replica_id == 0:
                 snapshot = [
                     {k: v for k, v in g.items() if k != "params"} for g in self.param_groups
                 ]
-            hyperparameters = replica.exchange.all("optimizer.step", snapshot)[0]
-            if replica_id:
-                for group, values in zip(optimizer.param_groups, hyperparameters, strict=True):
-                    group.update(values)
             _check_dense(self._params[replica_id])
+            grads = [p.grad for p in self._params[replica_id]]
+            posted = replica.exchange.all("optimizer.step", (snapshot, grads))
+            if replica_id:
+                for group, values in zip(optimizer.param_groups, posted[0][0], strict=True):
+                    group.update(values)
+            everyone = [peer_grads for _, peer_grads in posted]
             if self._sharded is not None:
-                self._sharded.reduce_gradients(replica)
+                self._sharded.reduce_gradients(replica_id, everyone)
             else:
-                self._all_reduce_gradients(replica)
+                self._all_reduce_gradients(replica, everyone)
             if self._running_stats[replica_id]:
                 self._average_running_stats(replica)
         if self._sharded is None:
@@ -307,13 +310,17 @@ class MirroredOptimizer:
         replica.exchange.barrier("optimizer.step: parameters copied")
         return result
 
-    def _all_reduce_gradients(self, replica: ReplicaContext) -> None:
+    def _all_reduce_gradients(
+        self, replica: ReplicaContext, everyone: Sequence[Sequence[torch.Tensor | None]]
+    ) -> None:
+        """Bucketed all-reduce of the gradients any replica has (``everyone``: each replica's
+        gradients as posted at the step's first sync point)."""
         replica_id = replica.replica_id_in_sync_group
         params = self._params[replica_id]
-        grads = [p.grad for p in params]
-        has_grad = tuple(g is not None for g in grads)
-        everyone = replica.exchange.all("optimizer.step: gradients", has_grad)
-        reduced = tuple(any(flags) for flags in zip(*everyone, strict=True))
+        grads = everyone[replica_id]
+        reduced = tuple(
+            any(g is not None for g in column) for column in zip(*everyone, strict=True)
+        )
         indices = [i for i, flag in enumerate(reduced) if flag]
         if not indices:
             return

@@ -22,8 +22,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from mirrored.context import ReplicaContext
-
 __all__ = ["PER_PARAMETER_OPTIMIZERS", "ShardedUpdate", "assign_owners"]
 
 PER_PARAMETER_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
@@ -91,13 +89,14 @@ class ShardedUpdate:
             for optimizer, replica_params in zip(self.optimizers[1:], self.params[1:], strict=True):
                 optimizer.state[replica_params[index]] = primary.state[first]
 
-    def reduce_gradients(self, replica: ReplicaContext) -> None:
+    def reduce_gradients(
+        self, replica_id: int, everyone: Sequence[Sequence[torch.Tensor | None]]
+    ) -> None:
         """Each owner sums the gradients of its parameters over all replicas, in replica order,
-        reading its peers' gradients in place (no packing, nothing written to peers). Afterwards a
+        reading its peers' gradients in place (``everyone``: each replica's gradients, as posted
+        at the step's first sync point; no packing, nothing written to peers). Afterwards a
         replica's other gradients are its own share only, consumed by this step."""
-        replica_id = replica.replica_id_in_sync_group
         mine = self.params[replica_id]
-        everyone = replica.exchange.all("optimizer.step", [p.grad for p in mine])
         for index, owner in enumerate(self.owners):
             if owner != replica_id:
                 continue
