@@ -6,13 +6,14 @@ every global batch split across them, gradients summed before each synchronous u
 are scikit-learn's bundled handwritten digits (1797 8x8 images, no download) or any .npz with
 arrays x and y.
 
-    python examples/custom_training_loop.py --devices 4 --epochs 10
+    python examples/custom_training_loop.py --logical-devices 4 --epochs 10
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from mirrored.examples.devices import add_device_arguments, positive_int, strategy_from_arguments
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from sklearn.preprocessing import StandardScaler
@@ -27,25 +29,23 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import mirrored
-from mirrored import config
 
 Batch = tuple[Tensor, Tensor]
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--devices", type=int, default=4, help="logical CPU devices (replicas)")
-    parser.add_argument("--epochs", type=int, default=10, help="passes over the training set")
-    parser.add_argument("--batch-size", type=int, default=64, help="global batch size")
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="custom_training_loop", description=__doc__.splitlines()[0] if __doc__ else None
+    )
+    add_device_arguments(parser)
+    parser.add_argument(
+        "--epochs", type=positive_int, default=10, help="passes over the training set"
+    )
+    parser.add_argument("--batch-size", type=positive_int, default=64, help="global batch size")
     parser.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate")
     parser.add_argument("--seed", type=int, default=0, help="seeds the split, init and shuffling")
     parser.add_argument("--data", type=Path, help=".npz with x (N, features) and y (N,)")
-    args = parser.parse_args()
-    for name in ("devices", "epochs", "batch_size"):
-        if getattr(args, name) < 1:
-            flag = "--" + name.replace("_", "-")
-            parser.error(f"{flag} {getattr(args, name)}: expected a positive integer")
-    return args
+    return parser.parse_args(argv)
 
 
 def load_data(path: Path | None, seed: int) -> tuple[TensorDataset, TensorDataset]:
@@ -110,8 +110,8 @@ def run_epoch(
     return loss_sum, correct
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    args = parse_args(argv)
     torch.manual_seed(args.seed)
     train_set, test_set = load_data(args.data, args.seed)
     num_features = train_set.tensors[0].shape[1]
@@ -119,12 +119,8 @@ def main() -> None:
     train_loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=True)
     test_loader = DataLoader(test_set, batch_size=args.batch_size)
 
-    # Carve the one CPU into N logical devices; this must precede the first strategy.
-    cpu = config.list_physical_devices("CPU")[0]
-    logical = [config.LogicalDeviceConfiguration()] * args.devices
-    config.set_logical_device_configuration(cpu, logical)
-    devices = [f"cpu:{i}" for i in range(args.devices)]
-    with mirrored.MirroredStrategy(devices) as strategy:
+    # One replica per device: N logical devices carved out of the CPU (or GPU), or N GPUs.
+    with strategy_from_arguments(args) as strategy:
         with strategy.scope():
             model = nn.Sequential(
                 nn.Linear(num_features, 128),
@@ -152,8 +148,10 @@ def main() -> None:
                 f"acc {test_correct / len(test_set):.4f}  "
                 f"{time.perf_counter() - start:.2f} s"
             )
-    print(f"final test accuracy: {test_correct / len(test_set):.4f}")
+    results = {"loss": test_loss / len(test_set), "accuracy": test_correct / len(test_set)}
+    print(" - ".join(f"test {name}: {value:.4f}" for name, value in results.items()))
+    return results
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -24,8 +24,14 @@ config.set_logical_device_configuration(
 )
 
 
-# Set by pytest itself, and by torch the first time it imports its compiler stack.
-_IGNORED_ENV = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR"}
+# Set by pytest itself, by torch the first time it imports its compiler stack, and by
+# scikit-learn's import (the examples' data).
+_IGNORED_ENV = {
+    "PYTEST_CURRENT_TEST",
+    "TORCHINDUCTOR_CACHE_DIR",
+    "KMP_DUPLICATE_LIB_OK",
+    "KMP_INIT_AT_FORK",
+}
 
 
 def _environ() -> dict[str, str]:
@@ -41,7 +47,8 @@ def hygiene() -> Iterator[None]:
     environ = _environ()
     threads = torch.get_num_threads()
     yield
-    gc.collect()
+    if _replica_threads():  # a strategy not closed: collecting it ends its threads
+        gc.collect()  # (only then: a full collection costs ~0.4 s once torch._dynamo is loaded)
     for thread in _replica_threads():
         thread.join(timeout=5)
     leaked = _replica_threads()

@@ -9,7 +9,7 @@ from torch import nn
 
 import mirrored
 from mirrored.batch_norm import MirroredSyncBatchNorm
-from tests.training import assert_replicas_identical, assert_same_parameters, make_batches
+from tests.reference_loops import assert_replicas_identical, assert_same_parameters, make_batches
 
 
 def make_bn_net(seed: int = 3) -> nn.Module:

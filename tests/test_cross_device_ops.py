@@ -8,7 +8,13 @@ import torch
 import mirrored
 from mirrored import config
 from mirrored.batch_norm import convert_sync_batch_norm
-from tests.training import CROSS_DEVICE_OPS, OPTIMIZERS, make_batches, make_mlp, train_mirrored
+from tests.reference_loops import (
+    CROSS_DEVICE_OPS,
+    OPTIMIZERS,
+    make_batches,
+    make_mlp,
+    train_mirrored,
+)
 
 
 def test_all_cross_device_ops_give_bit_identical_parameters():

@@ -10,7 +10,7 @@ import torch
 
 import mirrored
 from mirrored import config
-from tests.training import (
+from tests.reference_loops import (
     OPTIMIZERS,
     assert_replicas_identical,
     assert_same_parameters,

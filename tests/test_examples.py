@@ -43,4 +43,4 @@ def test_custom_training_loop_rejects_bad_arguments():
         text=True,
         timeout=60,
     )
-    assert result.returncode == 2 and "--devices 0: expected a positive integer" in result.stderr
+    assert result.returncode == 2 and "--devices: 0: expected a positive integer" in result.stderr

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mirrored
-from tests.training import (
+from tests.reference_loops import (
     OPTIMIZERS,
     assert_replicas_identical,
     assert_same_parameters,

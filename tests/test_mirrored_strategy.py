@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import mirrored
-from tests.training import (
+from tests.reference_loops import (
     CROSS_DEVICE_OPS,
     OPTIMIZERS,
     assert_replicas_identical,

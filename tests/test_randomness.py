@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mirrored
-from tests.training import make_batches
+from tests.reference_loops import make_batches
 
 
 def _dropout_masks(strategy):

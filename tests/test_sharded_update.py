@@ -7,7 +7,7 @@ import torch
 
 import mirrored
 from mirrored.sharded_update import assign_owners
-from tests.training import OPTIMIZERS, make_batches, make_mlp, train_mirrored, train_plain
+from tests.reference_loops import OPTIMIZERS, make_batches, make_mlp, train_mirrored, train_plain
 
 
 def test_owners_are_balanced_largest_first():

@@ -1,12 +1,13 @@
 """mirrored: TensorFlow's distribution strategies for PyTorch.
 
-Write a single-device training step; ``MirroredStrategy`` runs it on every local device with the
-single-device result on the global batch.
+Write a single-device training step, or compile a ``mirrored.Model`` and call ``fit``;
+``MirroredStrategy`` runs it on every local device with the single-device result on the global
+batch.
 """
 
 from __future__ import annotations
 
-from mirrored import config
+from mirrored import callbacks, checkpoint, config, losses, metrics, optimizers
 from mirrored.context import (
     ReplicaContext,
     get_replica_context,
@@ -26,6 +27,7 @@ from mirrored.mirror import MirroredModule, MirroredOptimizer
 from mirrored.mirrored_strategy import MirroredStrategy
 from mirrored.rendezvous import ReplicaAbortedError, SyncMismatchError, SyncTimeoutError
 from mirrored.strategy import Strategy
+from mirrored.training import Model
 from mirrored.values import PerReplica, ReduceOp
 
 __version__ = "0.1.0"
@@ -35,6 +37,7 @@ __all__ = [
     "DistributedDataset",
     "HierarchicalCopyAllReduce",
     "InputContext",
+    "Model",
     "MirroredModule",
     "MirroredOptimizer",
     "MirroredStrategy",
@@ -48,10 +51,15 @@ __all__ = [
     "SyncMismatchError",
     "SyncTimeoutError",
     "ValueContext",
+    "callbacks",
+    "checkpoint",
     "compute_average_loss",
     "config",
     "get_replica_context",
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
+    "losses",
+    "metrics",
+    "optimizers",
 ]

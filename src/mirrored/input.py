@@ -23,6 +23,7 @@ __all__ = [
     "InputContext",
     "PerReplicaShards",
     "ValueContext",
+    "global_batch_size_of",
     "shard_sizes",
 ]
 
@@ -61,6 +62,14 @@ class PerReplicaShards(PerReplica):
     def __init__(self, values: Sequence[Any], global_batch_size: int) -> None:
         super().__init__(values)
         self.global_batch_size = global_batch_size
+
+
+def global_batch_size_of(structure: Any) -> int | None:
+    """The global batch size of the distributed batch in ``structure`` (None if there is none)."""
+    for leaf in flatten(structure):
+        if isinstance(leaf, PerReplicaShards):
+            return leaf.global_batch_size
+    return None
 
 
 def shard_sizes(batch_size: int, num_shards: int) -> list[int]:

@@ -24,10 +24,10 @@ from mirrored.cross_device_ops import CrossDeviceOps, HierarchicalCopyAllReduce
 from mirrored.input import (
     DistributedDataset,
     InputContext,
-    PerReplicaShards,
     ValueContext,
     distribute_global_batches,
     distribute_replica_batches,
+    global_batch_size_of,
 )
 from mirrored.rendezvous import Rendezvous, ReplicaAbortedError, ReplicaExchange
 from mirrored.replica_workers import Outcome
@@ -76,6 +76,12 @@ class Strategy:
         return len(self.devices)
 
     @property
+    def should_checkpoint(self) -> bool:
+        """Whether this process writes checkpoints, logs and summaries (TensorFlow's
+        ``extended.should_checkpoint``): always in one process, the chief's among workers."""
+        return True
+
+    @property
     def _input_devices(self) -> tuple[torch.device | None, ...]:
         """Where input shards go (None: stay where they are)."""
         return self.torch_devices
@@ -115,7 +121,7 @@ class Strategy:
                 f"{type(args).__name__}; pass args=(batch,)"
             )
         kwargs = kwargs or {}
-        global_batch_size = _global_batch_size(args, kwargs)
+        global_batch_size = global_batch_size_of((tuple(args), kwargs))
         rendezvous = Rendezvous(self.num_replicas_in_sync, self.timeout_seconds)
         tasks = [
             functools.partial(
@@ -373,14 +379,6 @@ def _to_device(structure: Any, device: torch.device | None) -> Any:
     if device is None:
         return structure
     return map_structure(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, structure)
-
-
-def _global_batch_size(args: Sequence[Any], kwargs: dict[str, Any]) -> int | None:
-    """The global batch size of the distributed batch among the arguments, if any."""
-    for leaf in flatten((tuple(args), kwargs)):
-        if isinstance(leaf, PerReplicaShards):
-            return leaf.global_batch_size
-    return None
 
 
 class _DefaultStrategy(Strategy):

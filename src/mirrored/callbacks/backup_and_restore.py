@@ -1,0 +1,156 @@
+"""``BackupAndRestore``: a killed training run, started again, carries on where it was.
+
+At the end of every epoch (or every ``save_freq`` batches) it writes one backup file, atomically,
+holding everything the rest of the run depends on: the model, the optimizer, the learning-rate
+schedule and loss scale, the position in the data (epoch and batch), every random generator, the
+epoch's running metrics and the other callbacks' progress (History, EarlyStopping, ...). Running
+the same command again restores it when training begins, so the run ends with exactly the weights
+an uninterrupted run ends with. A finished run deletes the backup (``delete_checkpoint=True``).
+
+``fit`` runs this callback after the others, so that a backup taken at the end of an epoch
+includes what they recorded for it.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from pathlib import Path
+from typing import Any
+
+from mirrored import checkpoint, rng_state
+from mirrored.callbacks.callback import Callback, Logs
+
+__all__ = ["BackupAndRestore"]
+
+_FORMAT = "mirrored.backup/1"
+_FILE_NAME = "backup.pt"
+
+
+class BackupAndRestore(Callback):
+    """Back up the whole training state to ``backup_dir`` and resume from it."""
+
+    def __init__(
+        self,
+        backup_dir: str | Path,
+        save_freq: str | int = "epoch",
+        delete_checkpoint: bool = True,
+    ) -> None:
+        super().__init__()
+        if not backup_dir:
+            raise ValueError("backup_dir is empty; pass the folder where backups go")
+        if save_freq != "epoch" and (
+            not isinstance(save_freq, int) or isinstance(save_freq, bool) or save_freq <= 0
+        ):
+            raise ValueError(
+                f"save_freq={save_freq!r}: expected 'epoch' or a positive number of batches"
+            )
+        self.backup_dir = Path(backup_dir)
+        self.save_freq = save_freq
+        self.delete_checkpoint = delete_checkpoint
+        self._batches_since_save = 0
+
+    @property
+    def path(self) -> Path:
+        """The backup file."""
+        return self.backup_dir / _FILE_NAME
+
+    # -- restore -----------------------------------------------------------------------------------
+    def on_train_begin(self, logs: Logs | None = None) -> None:
+        self._batches_since_save = 0
+        if not self.path.exists():
+            return
+        backup = checkpoint.load(self.path)
+        if not isinstance(backup, dict) or backup.get("format") != _FORMAT:
+            raise ValueError(
+                f"{str(self.path)!r} is not a mirrored backup (format "
+                f"{backup.get('format') if isinstance(backup, dict) else type(backup)}); point "
+                "backup_dir at a folder of its own"
+            )
+        model = self._model()
+        model.load_training_state(backup["training"])
+        self._restore_callbacks(backup["callbacks"])
+        model._resume_from(
+            backup["progress"], backup["rng"], backup["epoch_rng"], backup["metrics"]
+        )
+
+    def _restore_callbacks(self, states: list[dict[str, Any]]) -> None:
+        """Each callback gets the state saved by the callback of its class at the same rank
+        among those of that class (a callback added or removed since leaves the others be)."""
+        saved = dict(zip(_keys([s["class"] for s in states]), states, strict=True))
+        others = self._other_callbacks()
+        fresh = []
+        for key, callback in zip(_keys([type(c).__name__ for c in others]), others, strict=True):
+            if key in saved:
+                callback.load_state_dict(saved[key]["state"])
+            elif callback.state_dict():
+                fresh.append(key[0])
+        if fresh:
+            warnings.warn(
+                f"the backup in {str(self.backup_dir)!r} holds no state for {fresh}: their "
+                "progress (patience counters, best values) starts anew",
+                stacklevel=2,
+            )
+
+    # -- back up -----------------------------------------------------------------------------------
+    def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
+        if self.save_freq == "epoch":
+            return
+        self._batches_since_save += 1
+        assert isinstance(self.save_freq, int)
+        if self._batches_since_save >= self.save_freq:
+            self._save(logs)
+
+    def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
+        self._save(logs)
+
+    def _save(self, logs: Logs | None) -> None:
+        model = self._model()
+        loss = (logs or {}).get("loss")
+        if isinstance(loss, float) and not math.isfinite(loss):
+            warnings.warn(
+                f"not backing up to {str(self.path)!r}: the loss is {loss}; the last good "
+                "backup stays",
+                stacklevel=2,
+            )
+            return
+        self._batches_since_save = 0
+        if not model.strategy.should_checkpoint:
+            return
+        progress, epoch_rng, metrics = model._fit_position()
+        backup = {
+            "format": _FORMAT,
+            "training": model.training_state(),
+            "progress": progress,
+            "rng": rng_state.capture(),
+            "epoch_rng": epoch_rng,
+            "metrics": metrics,
+            "callbacks": [
+                {"class": type(c).__name__, "state": c.state_dict()}
+                for c in self._other_callbacks()
+            ],
+        }
+        checkpoint.save(backup, self.path)
+
+    def on_train_end(self, logs: Logs | None = None) -> None:
+        if self.delete_checkpoint and self._model().strategy.should_checkpoint:
+            self.path.unlink(missing_ok=True)
+
+    # -- helpers -----------------------------------------------------------------------------------
+    def _model(self) -> Any:
+        if self.model is None:
+            raise RuntimeError("BackupAndRestore is used by model.fit(callbacks=[...]) only")
+        return self.model
+
+    def _other_callbacks(self) -> list[Callback]:
+        return [c for c in self._model()._callbacks_in_fit() if c is not self]
+
+
+def _keys(class_names: list[str]) -> list[tuple[str, int]]:
+    """(class name, how many of that class came before) for each callback."""
+    seen: dict[str, int] = {}
+    keys = []
+    for name in class_names:
+        keys.append((name, seen.get(name, 0)))
+        seen[name] = seen.get(name, 0) + 1
+    return keys

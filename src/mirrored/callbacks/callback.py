@@ -1,0 +1,98 @@
+"""The callback base class and the list that calls every callback in order (Keras's hooks).
+
+``fit``, ``evaluate`` and ``predict`` call the hooks of a ``CallbackList``; each hook is a no-op
+here, so a callback overrides only the ones it needs. ``self.model`` is the ``mirrored.Model``
+being trained and ``self.params`` holds ``epochs``, ``steps`` (per epoch, None when unknown) and
+``verbose``. Logs are dicts of floats: the running means of the epoch at batch ends, the epoch's
+results (``val_`` prefixed for validation) at epoch ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mirrored.training.model import Model
+
+__all__ = ["Callback", "CallbackList"]
+
+Logs = dict[str, Any]
+
+
+class Callback:
+    """Base class: override the hooks you need. ``state_dict`` / ``load_state_dict`` carry the
+    callback's progress (a patience counter, a best value) through ``BackupAndRestore``."""
+
+    def __init__(self) -> None:
+        self.model: Model | None = None
+        self.params: dict[str, Any] = {}
+
+    def set_model(self, model: Model) -> None:
+        self.model = model
+
+    def set_params(self, params: dict[str, Any]) -> None:
+        self.params = params
+
+    def state_dict(self) -> dict[str, Any]:
+        """What this callback must remember across a restart (empty: nothing)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` returned."""
+
+    def on_train_begin(self, logs: Logs | None = None) -> None: ...
+    def on_train_end(self, logs: Logs | None = None) -> None: ...
+    def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None: ...
+    def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None: ...
+    def on_train_batch_begin(self, batch: int, logs: Logs | None = None) -> None: ...
+    def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None: ...
+    def on_test_begin(self, logs: Logs | None = None) -> None: ...
+    def on_test_end(self, logs: Logs | None = None) -> None: ...
+    def on_test_batch_begin(self, batch: int, logs: Logs | None = None) -> None: ...
+    def on_test_batch_end(self, batch: int, logs: Logs | None = None) -> None: ...
+    def on_predict_begin(self, logs: Logs | None = None) -> None: ...
+    def on_predict_end(self, logs: Logs | None = None) -> None: ...
+    def on_predict_batch_begin(self, batch: int, logs: Logs | None = None) -> None: ...
+    def on_predict_batch_end(self, batch: int, logs: Logs | None = None) -> None: ...
+
+
+_HOOKS = [name for name in vars(Callback) if name.startswith("on_")]
+
+
+class CallbackList(Callback):
+    """Calls each hook on every callback, in the order given."""
+
+    def __init__(self, callbacks: Iterable[Callback] = ()) -> None:
+        super().__init__()
+        self.callbacks = list(callbacks)
+        for callback in self.callbacks:
+            if not isinstance(callback, Callback):
+                raise TypeError(
+                    f"callbacks must be mirrored.callbacks.Callback instances; got "
+                    f"{type(callback).__name__} (wrap a function in LambdaCallback)"
+                )
+
+    def set_model(self, model: Model) -> None:
+        super().set_model(model)
+        for callback in self.callbacks:
+            callback.set_model(model)
+
+    def set_params(self, params: dict[str, Any]) -> None:
+        super().set_params(params)
+        for callback in self.callbacks:
+            callback.set_params(params)
+
+
+def _fan_out(hook: str) -> Any:
+    def call_all(self: CallbackList, *args: Any, **kwargs: Any) -> None:
+        for callback in self.callbacks:
+            getattr(callback, hook)(*args, **kwargs)
+
+    call_all.__name__ = hook
+    call_all.__doc__ = f"``{hook}`` of every callback, in order."
+    return call_all
+
+
+for _hook in _HOOKS:
+    setattr(CallbackList, _hook, _fan_out(_hook))

@@ -1,0 +1,69 @@
+"""The ``mirrored`` command.
+
+    mirrored devices                       list physical and logical devices
+    mirrored train EXAMPLE [flags]         run one of the users' programs (mirrored.examples)
+
+``mirrored train mnist_mlp --logical-devices 4`` trains the first article's model on four
+logical CPU devices; ``mirrored train EXAMPLE --help`` lists an example's flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from mirrored import config
+
+__all__ = ["EXAMPLES", "main"]
+
+EXAMPLES = {
+    "mnist_mlp": "the first article's Sequential model on handwritten digits (fit)",
+    "bert_mlm": "BERT-tiny masked-language model on 4 logical devices (the third article)",
+    "mobilenet": "MobileNetV2 image classification, 64 images per replica (the fourth article)",
+    "custom_training_loop": "an MLP with a hand-written loop on strategy.run",
+}
+
+
+def _devices() -> int:
+    for device in config.list_physical_devices():
+        print(f"physical  {device.name}  ({device.device_type})")
+    for logical in config.list_logical_devices():
+        limit = f", memory_limit={logical.memory_limit} MiB" if logical.memory_limit else ""
+        print(f"logical   {logical.name}  on {logical.physical.name}{limit}")
+    return 0
+
+
+def _train(example: str, flags: Sequence[str]) -> int:
+    if example not in EXAMPLES:
+        known = ", ".join(EXAMPLES)
+        print(
+            f"mirrored train: unknown example {example!r}; choose one of: {known}", file=sys.stderr
+        )
+        return 2
+    module = importlib.import_module(f"mirrored.examples.{example}")
+    module.main(list(flags))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mirrored", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("devices", help="list physical and logical devices")
+    train = commands.add_parser(
+        "train",
+        help="run an example program",
+        description="Run an example; flags after EXAMPLE go to it (EXAMPLE --help lists them).",
+        epilog="examples: " + "; ".join(f"{k}: {v}" for k, v in EXAMPLES.items()),
+    )
+    train.add_argument("example", help=f"one of {', '.join(EXAMPLES)}")
+    train.add_argument("flags", nargs=argparse.REMAINDER, help="the example's own flags")
+    args = parser.parse_args(argv)
+    if args.command == "devices":
+        return _devices()
+    return _train(args.example, args.flags)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

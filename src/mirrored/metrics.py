@@ -1,0 +1,354 @@
+"""Keras-named metrics whose state adds up exactly across replicas.
+
+A metric's state is a short float64 vector of sums (for a mean: the weighted sum of the values
+and the sum of the weights). Each replica computes the state of its shard with ``batch_state``,
+which is pure and never waits for the device; the caller adds the replicas' states and merges
+them, so a ragged last batch, or an empty shard, gives exactly the single-device value. Sums are
+kept in float64 so that an epoch of batches adds up without float32 rounding drift.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from mirrored import losses
+from mirrored.losses import _align_ranks, _same_shape_pair, _shape, _to_tensor, broadcast_weight
+
+__all__ = [
+    "AutoAccuracy",
+    "BinaryAccuracy",
+    "CategoricalAccuracy",
+    "Mean",
+    "MeanAbsoluteError",
+    "MeanMetricWrapper",
+    "MeanSquaredError",
+    "Metric",
+    "SparseCategoricalAccuracy",
+    "get",
+]
+
+
+class Metric:
+    """A metric as an additive state vector of ``num_state`` float64 sums.
+
+    ``batch_state`` is what replica threads call (pure, no grad, no host sync); ``merge_state``,
+    ``result``, ``reset_state`` and ``update_state`` belong to one thread, the caller's.
+    """
+
+    num_state: int = 0
+
+    def __init__(self, name: str | None = None) -> None:
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"name={name!r}: expected a string or None")
+        self.name = name if name is not None else type(self).__name__
+        self._state: torch.Tensor | None = None
+
+    @property
+    def state(self) -> torch.Tensor:
+        """The merged sums so far (zeros after a reset), on the device of the merged states."""
+        if self._state is None:
+            return torch.zeros(self.num_state, dtype=torch.float64)
+        return self._state
+
+    def batch_state(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The additive state of one batch (its arguments and an optional ``sample_weight``): a
+        1-D float64 tensor of ``num_state`` sums on the inputs' device."""
+        raise NotImplementedError(f"{type(self).__name__} must implement batch_state")
+
+    def merge_state(self, state: torch.Tensor) -> None:
+        """Add ``state`` (of this metric's ``batch_state`` form) to the running sums. The sums
+        stay on the first accelerator they meet, so merging never waits for the device."""
+        if not isinstance(state, torch.Tensor) or state.shape != (self.num_state,):
+            received = _shape(state) if isinstance(state, torch.Tensor) else type(state).__name__
+            raise ValueError(
+                f"metric {self.name!r}: merge_state got {received}; expected a 1-D tensor of "
+                f"{self.num_state} sums, as batch_state returns"
+            )
+        state = state.detach().to(torch.float64)
+        own = self._state
+        if own is None:
+            self._state = state.clone()
+            return
+        if own.device.type == "cpu" and state.device.type != "cpu":
+            own = own.to(state.device)
+        elif own.device != state.device:
+            state = state.to(own.device)
+        self._state = own + state
+
+    def result(self) -> float:
+        raise NotImplementedError(f"{type(self).__name__} must implement result")
+
+    def reset_state(self) -> None:
+        self._state = None
+
+    def update_state(self, *args: Any, sample_weight: Any = None) -> None:
+        """Keras's one-device update: ``merge_state(batch_state(...))``."""
+        self.merge_state(self.batch_state(*args, sample_weight=sample_weight))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The sums as a CPU tensor, for backups."""
+        return {"state": self.state.detach().to("cpu", torch.float64).clone()}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        state = state_dict.get("state") if isinstance(state_dict, Mapping) else None
+        if not isinstance(state, torch.Tensor) or state.shape != (self.num_state,):
+            raise ValueError(
+                f"metric {self.name!r}: load_state_dict expected {{'state': a tensor of "
+                f"{self.num_state} sums}} as state_dict() returns, got {state_dict!r}"
+            )
+        self._state = state.detach().to("cpu", torch.float64).clone()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+def _mean_state(values: Any, sample_weight: Any) -> torch.Tensor:
+    """[sum of values * weight, sum of the weights broadcast to the values] in float64."""
+    values = _to_tensor(values, "values").detach().to(torch.float64)
+    if sample_weight is None:
+        count = values.new_full((), float(values.numel()))
+        return torch.stack([values.sum(), count])
+    weight = broadcast_weight(sample_weight, values).detach()
+    return torch.stack([(values * weight).sum(), weight.expand(values.shape).sum()])
+
+
+class _WeightedMean(Metric):
+    """A metric whose state is [weighted sum, sum of weights] and result their ratio."""
+
+    num_state = 2
+
+    def result(self) -> float:
+        total, count = self.state.tolist()
+        return total / count if count else 0.0  # Keras's divide_no_nan
+
+
+class Mean(_WeightedMean):
+    """The (weighted) mean of the values given, as ``keras.metrics.Mean``. Weights broadcast from
+    the left: a [batch] weight weighs every element of its example."""
+
+    def __init__(self, name: str = "mean") -> None:
+        super().__init__(name)
+
+    def batch_state(self, values: Any, sample_weight: Any = None) -> torch.Tensor:
+        with torch.no_grad():
+            return _mean_state(values, sample_weight)
+
+
+class MeanMetricWrapper(_WeightedMean):
+    """The mean of ``fn(y_true, y_pred)``, a function giving one value per example (or per
+    element) of shape [batch, ...]. Not a ``Mean`` subclass: it takes (y_true, y_pred), not values.
+    """
+
+    def __init__(self, fn: Callable[..., Any], name: str | None = None) -> None:
+        if not callable(fn):
+            raise TypeError(f"fn={fn!r}: expected a function fn(y_true, y_pred)")
+        super().__init__(name if name is not None else getattr(fn, "__name__", type(fn).__name__))
+        self.fn = fn
+
+    def batch_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> torch.Tensor:
+        with torch.no_grad():
+            values = self.fn(y_true, y_pred)
+            if not isinstance(values, torch.Tensor) or values.dim() == 0:
+                received = "a 0-dim tensor" if isinstance(values, torch.Tensor) else repr(values)
+                raise ValueError(
+                    f"metric function {self.name!r} returned {received}; it must return one "
+                    "value per example, a tensor of shape [batch, ...], so that the replicas' "
+                    "shards add up exactly"
+                )
+            return _mean_state(values, sample_weight)
+
+
+def _squeeze_trailing_one(values: torch.Tensor) -> torch.Tensor:
+    return values.squeeze(-1) if values.dim() > 1 and values.shape[-1] == 1 else values
+
+
+def _sparse_categorical_matches(y_true: Any, y_pred: Any) -> torch.Tensor:
+    """1.0 where the argmax of y_pred [batch, ..., classes] is the class id y_true [batch, ...]
+    (a trailing dim of 1 squeezed)."""
+    pred = _to_tensor(y_pred, "y_pred")
+    true = _to_tensor(y_true, "y_true", pred.device)
+    ids = true.squeeze(-1) if true.dim() == pred.dim() and true.dim() > 0 else true
+    if pred.dim() < 2 or ids.shape != pred.shape[:-1]:
+        raise ValueError(
+            f"sparse_categorical_accuracy: y_true has shape {_shape(true)} and y_pred "
+            f"{_shape(pred)}; expected y_pred [batch, ..., classes] and y_true of class ids "
+            "shaped like y_pred without its last dim (or with a last dim of 1)"
+        )
+    return _squeeze_trailing_one((pred.argmax(dim=-1) == ids).to(torch.float32))
+
+
+def _categorical_matches(y_true: Any, y_pred: Any) -> torch.Tensor:
+    """1.0 where y_true and y_pred, both [batch, ..., classes], have their argmax in common."""
+    pred = _to_tensor(y_pred, "y_pred")
+    true = _to_tensor(y_true, "y_true", pred.device)
+    if pred.dim() < 2 or true.shape != pred.shape:
+        raise ValueError(
+            f"categorical_accuracy: y_true has shape {_shape(true)} and y_pred {_shape(pred)}; "
+            "expected both [batch, ..., classes] (one-hot targets; for class ids use "
+            "sparse_categorical_accuracy)"
+        )
+    matches = pred.argmax(dim=-1) == true.argmax(dim=-1)
+    return _squeeze_trailing_one(matches.to(torch.float32))
+
+
+def _binary_matches(y_true: Any, y_pred: Any, threshold: float = 0.5) -> torch.Tensor:
+    """1.0 where (y_pred > threshold) equals y_true, elementwise over one shape (a trailing dim of
+    1 aligned as Keras does)."""
+    pred = _to_tensor(y_pred, "y_pred")
+    true = _to_tensor(y_true, "y_true", pred.device)
+    true_aligned, pred_aligned = _align_ranks(true, pred)
+    if pred_aligned.dim() == 0 or true_aligned.shape != pred_aligned.shape:
+        raise ValueError(
+            f"binary_accuracy: y_true has shape {_shape(true)} and y_pred {_shape(pred)}; "
+            "expected both of one shape [batch, ...] (a trailing dim of 1 on either side is "
+            "aligned)"
+        )
+    matches = (pred_aligned > threshold).to(true_aligned.dtype) == true_aligned
+    return _squeeze_trailing_one(matches.to(torch.float32))
+
+
+class SparseCategoricalAccuracy(MeanMetricWrapper):
+    """How often the argmax of y_pred (logits or probabilities) is the class id in y_true."""
+
+    def __init__(self, name: str = "sparse_categorical_accuracy") -> None:
+        super().__init__(_sparse_categorical_matches, name)
+
+
+class CategoricalAccuracy(MeanMetricWrapper):
+    """How often the argmax of y_pred is the argmax of the one-hot y_true."""
+
+    def __init__(self, name: str = "categorical_accuracy") -> None:
+        super().__init__(_categorical_matches, name)
+
+
+class BinaryAccuracy(MeanMetricWrapper):
+    """How often (y_pred > threshold) equals y_true; ``threshold`` applies to y_pred as given
+    (0.0 for logits)."""
+
+    def __init__(self, name: str = "binary_accuracy", threshold: float = 0.5) -> None:
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)):
+            raise TypeError(f"threshold={threshold!r}: expected a float")
+        self.threshold = float(threshold)
+        super().__init__(self._matches, name)
+
+    def _matches(self, y_true: Any, y_pred: Any) -> torch.Tensor:
+        return _binary_matches(y_true, y_pred, self.threshold)
+
+
+_EXACT = torch.float64  # regression metrics compute their values in float64 too
+
+
+def _squared_error(y_true: Any, y_pred: Any) -> torch.Tensor:
+    return losses._squared_error(*_same_shape_pair("mean_squared_error", y_true, y_pred, _EXACT))
+
+
+def _absolute_error(y_true: Any, y_pred: Any) -> torch.Tensor:
+    return losses._absolute_error(*_same_shape_pair("mean_absolute_error", y_true, y_pred, _EXACT))
+
+
+class MeanSquaredError(MeanMetricWrapper):
+    """Mean of the squared error, averaged over the last dim per example as Keras does."""
+
+    def __init__(self, name: str = "mean_squared_error") -> None:
+        super().__init__(_squared_error, name)
+
+
+class MeanAbsoluteError(MeanMetricWrapper):
+    """Mean of the absolute error, averaged over the last dim per example as Keras does."""
+
+    def __init__(self, name: str = "mean_absolute_error") -> None:
+        super().__init__(_absolute_error, name)
+
+
+_ACCURACY_KINDS: dict[str, Callable[[Any, Any], torch.Tensor]] = {
+    "binary": _binary_matches,
+    "sparse_categorical": _sparse_categorical_matches,
+    "categorical": _categorical_matches,
+}
+
+
+def _accuracy_kind(y_true: torch.Tensor, y_pred: torch.Tensor) -> str:
+    """Keras's choice for "accuracy" from shapes (``is_binary_or_sparse_categorical``): binary
+    when y_pred's last dim is 1, sparse categorical when y_true has a dim fewer or a last dim of
+    1, categorical otherwise."""
+    if y_pred.dim() <= 1 or y_pred.shape[-1] == 1:
+        return "binary"
+    if y_true.dim() < y_pred.dim() or y_true.shape[-1] == 1:
+        return "sparse_categorical"
+    return "categorical"
+
+
+class AutoAccuracy(_WeightedMean):
+    """The "accuracy" of a loss that does not say which kind: binary (threshold 0.5), sparse
+    categorical or categorical, chosen from the shapes of the first batch (``_accuracy_kind``)
+    and kept. Not Keras's ``Accuracy``, which counts exact equality of y_true and y_pred."""
+
+    def __init__(self, name: str = "accuracy") -> None:
+        super().__init__(name)
+        self.kind: str | None = None
+
+    def batch_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> torch.Tensor:
+        if self.kind is None:
+            pred = _to_tensor(y_pred, "y_pred")
+            # Replica threads racing here all pick the same kind from the same shapes.
+            self.kind = _accuracy_kind(_to_tensor(y_true, "y_true", pred.device), pred)
+        with torch.no_grad():
+            return _mean_state(_ACCURACY_KINDS[self.kind](y_true, y_pred), sample_weight)
+
+
+def _accuracy_for(loss: Any, name: str) -> Metric:
+    if isinstance(loss, str):
+        loss = losses.get(loss)
+    if isinstance(loss, losses.SparseCategoricalCrossentropy):
+        return SparseCategoricalAccuracy(name=name)
+    if isinstance(loss, losses.CategoricalCrossentropy):
+        return CategoricalAccuracy(name=name)
+    if isinstance(loss, losses.BinaryCrossentropy):
+        return BinaryAccuracy(name=name, threshold=0.0 if loss.from_logits else 0.5)
+    return AutoAccuracy(name=name)
+
+
+_METRICS: dict[str, Callable[[str], Metric]] = {
+    "accuracy": lambda name: AutoAccuracy(name),
+    "acc": lambda name: AutoAccuracy(name),
+    "sparse_categorical_accuracy": SparseCategoricalAccuracy,
+    "categorical_accuracy": CategoricalAccuracy,
+    "binary_accuracy": BinaryAccuracy,
+    "mean_absolute_error": MeanAbsoluteError,
+    "mae": MeanAbsoluteError,
+    "mean_squared_error": MeanSquaredError,
+    "mse": MeanSquaredError,
+}
+
+
+def get(identifier: Metric | str | Callable[..., Any] | type[Metric], loss: Any = None) -> Metric:
+    """The metric for ``compile(metrics=[...])``: a Metric as is, a Metric class instantiated, a
+    Keras name (any case; the metric is named by the string given, as Keras logs it), or a
+    function fn(y_true, y_pred) returning one value per example, wrapped. "accuracy" / "acc"
+    follow the compiled ``loss`` (a mirrored.losses object or name): sparse categorical,
+    categorical or binary (threshold 0 on logits), else decided from the first batch's shapes."""
+    if isinstance(identifier, Metric):
+        return identifier
+    if isinstance(identifier, type) and issubclass(identifier, Metric):
+        return identifier()
+    if isinstance(identifier, str):
+        key = losses._key(identifier)
+        if key in ("accuracy", "acc"):
+            return _accuracy_for(loss, identifier)
+        for name, factory in _METRICS.items():
+            if losses._key(name) == key:
+                return factory(identifier)
+        raise ValueError(
+            f"metric {identifier!r} is not a known metric; known names: {', '.join(_METRICS)} "
+            "(or pass a mirrored.metrics.Metric, or a function fn(y_true, y_pred) returning one "
+            "value per example)"
+        )
+    if callable(identifier):
+        return MeanMetricWrapper(identifier, getattr(identifier, "__name__", None))
+    raise TypeError(
+        f"metric {identifier!r}: expected a metric name ({', '.join(_METRICS)}), a "
+        "mirrored.metrics.Metric, or a function fn(y_true, y_pred) returning one value per example"
+    )

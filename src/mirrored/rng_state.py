@@ -1,0 +1,57 @@
+"""Every random generator a training run draws from, captured and restored as plain data.
+
+``BackupAndRestore`` resumes a run bit for bit: the data order (a shuffling DataLoader draws its
+seed from torch's generator when an epoch starts), dropout (each step's replica seeds come from
+torch's generator) and user code drawing from numpy or ``random`` all continue where they were.
+The captured state holds only tensors, ints, strings and lists, so it loads with
+``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["capture", "restore"]
+
+
+def capture() -> dict[str, Any]:
+    """The state of torch's CPU and CUDA generators, numpy's and Python's."""
+    kind, keys, position, has_gauss, cached_gaussian = np.random.get_state()
+    version, python_state, gauss_next = random.getstate()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            "position": int(position),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached_gaussian),
+        },
+        "python": {"version": version, "state": list(python_state), "gauss_next": gauss_next},
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore(state: dict[str, Any]) -> None:
+    """Put back what ``capture`` returned."""
+    torch.set_rng_state(state["torch"])
+    saved = state["numpy"]
+    np.random.set_state(
+        (
+            saved["kind"],
+            saved["keys"].numpy().astype(np.uint32),
+            saved["position"],
+            saved["has_gauss"],
+            saved["cached_gaussian"],
+        )
+    )
+    python = state["python"]
+    random.setstate((python["version"], tuple(python["state"]), python["gauss_next"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -1,0 +1,654 @@
+"""``mirrored.Model``: Keras's compile / fit / evaluate / predict for a PyTorch module.
+
+Written once against the Strategy contract (``scope``, ``mirror``, ``run``, ``reduce``,
+``gather``, ``experimental_distribute_dataset``), so it runs unchanged on the default one-device
+strategy, on ``MirroredStrategy`` and on the multi-worker strategy. Create the model inside
+``strategy.scope()``; every global batch is split across the strategy's replicas, and fit on N
+replicas ends with the parameters fit on one device ends with.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from mirrored import checkpoint, context, rng_state
+from mirrored import losses as losses_module
+from mirrored import metrics as metrics_module
+from mirrored import optimizers as optimizers_module
+from mirrored.callbacks.backup_and_restore import BackupAndRestore
+from mirrored.callbacks.callback import Callback, CallbackList
+from mirrored.callbacks.history import History
+from mirrored.callbacks.progbar_logger import ProgbarLogger
+from mirrored.input import global_batch_size_of
+from mirrored.mirror import MirroredModule
+from mirrored.training.data_adapter import DataAdapter, _is_array_structure
+from mirrored.training.loss_scale import LossScale
+from mirrored.training.steps import PRECISIONS, MetricSet, Steps
+from mirrored.values import ReduceOp, map_structure
+
+__all__ = ["Model"]
+
+_MODEL_FORMAT = "mirrored.model/1"
+
+
+def _resolve_verbose(verbose: int | str) -> int:
+    if verbose == "auto":
+        return 1 if sys.stdout.isatty() else 2
+    if verbose not in (0, 1, 2) or isinstance(verbose, bool):
+        raise ValueError(f"verbose={verbose!r}: expected 'auto', 0, 1 or 2")
+    return int(verbose)
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name}={value!r}: expected a positive int")
+    return value
+
+
+class Model:
+    """A PyTorch module with Keras's training front-end, on the strategy of its scope."""
+
+    def __init__(self, module: nn.Module) -> None:
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"Model(module): expected a torch.nn.Module, got {type(module)}")
+        self.strategy = context.get_strategy()
+        self.module = module
+        self.stop_training = False
+        self.history = History()
+        self._replicas: Any = None  # the mirrored module, once mirrored
+        self._optimizer: Any = None  # the mirrored optimizer, once compiled
+        self._steps: Steps | None = None
+        self._steps_per_execution = 1
+        self._iterations = 0
+        self._loss_scale = LossScale()
+        self._callbacks: list[Callback] = []
+        self._in_fit = False
+        self._position: dict[str, Any] = {"epoch": 0, "step": 0, "consumed": 0}  # fit's place
+        self._epoch_rng: dict[str, Any] | None = None
+        self._resume: dict[str, Any] | None = None
+
+    # -- the torch side ----------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's forward (replica 0), as calling a Keras model."""
+        return self.module(*args, **kwargs)
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        """The module's parameters: build a torch optimizer on them before ``compile``."""
+        return self.module.parameters(recurse)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The module's state dict (identical on every replica)."""
+        return self.module.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load into every replica; all keys and shapes must match, else nothing is loaded."""
+        checkpoint.load_module_state(self._mirrored_module(), state_dict, "the state dict")
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The compiled torch optimizer (replica 0's; it drives every replica)."""
+        if self._optimizer is None:
+            return None
+        return getattr(self._optimizer, "optimizer", self._optimizer)
+
+    @property
+    def learning_rate(self) -> float:
+        """The current learning rate (of the first parameter group)."""
+        return float(self._compiled_optimizer().param_groups[0]["lr"])
+
+    @learning_rate.setter
+    def learning_rate(self, value: float) -> None:
+        optimizer = self._compiled_optimizer()
+        assert self._steps is not None
+        if self._steps.schedule is not None or self._steps.lr_scheduler is not None:
+            raise ValueError(
+                "the learning rate is driven by a schedule given to compile(); it cannot also "
+                "be set directly"
+            )
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"learning_rate={value!r}: expected a non-negative number")
+        for group in optimizer.param_groups:
+            group["lr"] = float(value)
+
+    def _compiled_optimizer(self) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            raise RuntimeError("the model is not compiled; call model.compile(...) first")
+        return self.optimizer
+
+    def _mirrored_module(self) -> Any:
+        if self._replicas is None:
+            self._replicas = self.strategy.mirror(self.module)
+        return self._replicas
+
+    # -- compile -----------------------------------------------------------------------------------
+    def compile(
+        self,
+        optimizer: str | optimizers_module.Optimizer | torch.optim.Optimizer = "adam",
+        loss: Any = None,
+        metrics: Sequence[Any] | None = None,
+        weighted_metrics: Sequence[Any] | None = None,
+        steps_per_execution: int = 1,
+        precision: str = "32",
+        lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+        sync_batch_norm: bool = False,
+    ) -> None:
+        """Choose the optimizer, loss and metrics, and mirror the module on the strategy.
+
+        ``optimizer``: a name ("adam", "sgd", "adamw", "rmsprop"), a ``mirrored.optimizers``
+        object (its learning rate may be a schedule), or a torch optimizer built on
+        ``model.parameters()``. ``loss``: a name, a ``mirrored.losses`` object or a callable
+        returning per-example losses. ``precision``: "32", "bf16-mixed" or "16-mixed" (autocast;
+        float16 adds dynamic loss scaling; the weights stay float32). ``lr_scheduler``: a torch
+        LR scheduler on that optimizer, stepped after every update. ``steps_per_execution``:
+        batches per ``strategy.run`` (callbacks' batch hooks run once per execution).
+        """
+        current = context.get_strategy()
+        if context.has_strategy() and current is not self.strategy:
+            raise ValueError(
+                f"compile() was called in the scope of {current}, but the model was created "
+                f"under {self.strategy}; create and compile the model in the same scope"
+            )
+        if self._in_fit:
+            raise RuntimeError("compile() was called during fit(); compile before fit")
+        if loss is None:
+            raise ValueError("compile() needs a loss, e.g. loss='sparse_categorical_crossentropy'")
+        loss_object = losses_module.get(loss)
+        self._steps_per_execution = _positive_int("steps_per_execution", steps_per_execution)
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision={precision!r}: expected one of {sorted(PRECISIONS)}")
+        compiled_metrics = self._metrics("metrics", metrics, loss_object)
+        compiled_weighted = self._metrics("weighted_metrics", weighted_metrics, loss_object)
+        taken = {m.name for m in compiled_metrics} | {"loss"}
+        for metric in compiled_weighted:
+            if metric.name in taken:
+                metric.name = f"weighted_{metric.name}"
+        torch_optimizer, schedule = self._build_optimizer(optimizer)
+        self._check_lr_scheduler(lr_scheduler, torch_optimizer, schedule)
+        replicas, mirrored_optimizer = self.strategy.mirror(
+            self.module, torch_optimizer, sync_batch_norm=sync_batch_norm
+        )
+        self.module = replicas.module if isinstance(replicas, MirroredModule) else replicas
+        self._replicas, self._optimizer = replicas, mirrored_optimizer
+        self._steps = Steps(
+            module=replicas,
+            optimizer=mirrored_optimizer,
+            loss=loss_object,
+            metrics=MetricSet(compiled_metrics, compiled_weighted),
+            precision=precision,
+            schedule=schedule,
+            lr_scheduler=lr_scheduler,
+        )
+        self._iterations = 0
+        self._loss_scale = LossScale()
+
+    @staticmethod
+    def _metrics(argument: str, metrics: Any, loss: Any) -> list[metrics_module.Metric]:
+        if metrics is None:
+            return []
+        if isinstance(metrics, (str, dict)) or not isinstance(metrics, Iterable):
+            raise TypeError(
+                f"{argument} must be a list (e.g. ['accuracy']), got {type(metrics).__name__}"
+            )
+        resolved = [metrics_module.get(m, loss) for m in metrics]
+        for metric in resolved:
+            if type(metric) is metrics_module.Mean:
+                raise TypeError(
+                    f"{argument}: Mean() averages the values you give it and cannot be compiled; "
+                    "compile a metric of (y_true, y_pred), e.g. 'mae' or MeanMetricWrapper(fn)"
+                )
+        return resolved
+
+    def _build_optimizer(self, optimizer: Any) -> tuple[torch.optim.Optimizer, Any]:
+        if isinstance(optimizer, torch.optim.Optimizer):
+            return optimizer, None
+        spec = optimizers_module.get(optimizer)
+        torch_optimizer = spec.build(self.module.parameters())
+        return torch_optimizer, spec if spec.is_scheduled else None
+
+    @staticmethod
+    def _check_lr_scheduler(
+        lr_scheduler: Any, optimizer: torch.optim.Optimizer, schedule: Any
+    ) -> None:
+        if lr_scheduler is None:
+            return
+        if isinstance(lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise TypeError(
+                "ReduceLROnPlateau needs a metric, not a step count; use a callback that calls "
+                "it at epoch end instead of compile(lr_scheduler=...)"
+            )
+        if not isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler):
+            raise TypeError(
+                f"lr_scheduler must be a torch.optim.lr_scheduler.LRScheduler, got "
+                f"{type(lr_scheduler).__name__}"
+            )
+        if lr_scheduler.optimizer is not optimizer:
+            raise ValueError(
+                "lr_scheduler is attached to another optimizer; build it on the optimizer you "
+                "pass to compile() (a torch optimizer built on model.parameters())"
+            )
+        if schedule is not None:
+            raise ValueError(
+                "the optimizer's learning_rate is already a schedule; pass either a schedule or "
+                "lr_scheduler, not both"
+            )
+
+    def _compiled(self) -> Steps:
+        if self._steps is None:
+            raise RuntimeError(
+                "the model is not compiled; call model.compile(optimizer, loss) before fit() or "
+                "evaluate()"
+            )
+        return self._steps
+
+    # -- running executions ------------------------------------------------------------------------
+    def _executions(self, batches: Iterator[Any]) -> Iterator[list[Any]]:
+        """Distributed batches, ``steps_per_execution`` at a time."""
+        distributed = iter(self.strategy.experimental_distribute_dataset(batches))
+        while group := list(itertools.islice(distributed, self._steps_per_execution)):
+            yield group
+
+    def _merge(self, state: Any) -> None:
+        """Add the replicas' partial sums to the metrics (one host copy per execution)."""
+        total = self.strategy.reduce(ReduceOp.SUM, state, axis=None)
+        self._compiled().metrics.merge(total.cpu())
+
+    def _logs(self, num_examples: int | None = None) -> dict[str, Any]:
+        logs: dict[str, Any] = self._compiled().metrics.results()
+        if num_examples is not None:
+            logs["num_examples"] = num_examples
+        return logs
+
+    # -- fit ---------------------------------------------------------------------------------------
+    def fit(
+        self,
+        x: Any = None,
+        y: Any = None,
+        batch_size: int | None = None,
+        epochs: int = 1,
+        verbose: int | str = "auto",
+        callbacks: Sequence[Callback] | None = None,
+        validation_data: Any = None,
+        shuffle: bool = True,
+        initial_epoch: int = 0,
+        steps_per_epoch: int | None = None,
+        validation_freq: int | Sequence[int] = 1,
+        sample_weight: Any = None,
+    ) -> History:
+        """Train for ``epochs`` epochs (Keras's arguments); returns the ``History``."""
+        steps = self._compiled()
+        if self._in_fit:
+            raise RuntimeError("fit() was called while fit() is running (from a callback?)")
+        _positive_int("epochs", epochs)
+        if not isinstance(initial_epoch, int) or initial_epoch < 0:
+            raise ValueError(f"initial_epoch={initial_epoch!r}: expected an int >= 0")
+        data = DataAdapter(x, y, sample_weight, batch_size, shuffle, steps_per_epoch, "fit")
+        validation = self._validation_adapter(validation_data, batch_size)
+        validate_at = self._validation_schedule(validation_freq)
+        verbose = _resolve_verbose(verbose)
+        callback_list = self._callback_list(callbacks, verbose, with_history=True)
+        callback_list.set_params(
+            {"epochs": epochs, "steps": data.steps_per_epoch, "verbose": verbose}
+        )
+        self._in_fit = True
+        self.stop_training = False
+        self._resume = None
+        self._position = {"epoch": initial_epoch, "step": 0, "consumed": 0}
+        try:
+            callback_list.on_train_begin()
+            first_epoch = initial_epoch
+            resume, self._resume = self._resume, None
+            if resume is not None:
+                first_epoch = resume["progress"]["epoch"]
+                data.skip_consumed(resume["progress"]["consumed"])
+                if resume["progress"]["step"] == 0:  # backed up at an epoch's end
+                    rng_state.restore(resume["rng"])
+            epoch_logs: dict[str, Any] = {}
+            for epoch in range(first_epoch, epochs):
+                steps.metrics.reset()
+                self._set_training(True)
+                callback_list.on_epoch_begin(epoch)
+                epoch_logs = self._train_epoch(epoch, data, callback_list, resume)
+                resume = None
+                if validation is not None and validate_at(epoch):
+                    validation_logs = self._test_loop(validation, callback_list)
+                    epoch_logs.update({f"val_{k}": v for k, v in validation_logs.items()})
+                epoch_logs["learning_rate"] = self.learning_rate
+                self._position = {"epoch": epoch + 1, "step": 0, "consumed": data.consumed}
+                self._epoch_rng = None
+                callback_list.on_epoch_end(epoch, epoch_logs)
+                if self.stop_training:
+                    break
+            callback_list.on_train_end(epoch_logs)
+        finally:
+            self._in_fit = False
+            self._callbacks = []
+            self._set_training(False)
+        return self.history
+
+    def _train_epoch(
+        self,
+        epoch: int,
+        data: DataAdapter,
+        callback_list: CallbackList,
+        resume: dict[str, Any] | None,
+    ) -> dict[str, Any]:
+        steps = self._compiled()
+        step = 0
+        on_ready: Callable[[], None] | None = None
+        if resume is not None and resume["progress"]["step"] > 0:
+            # Mid-epoch: the epoch's data order from its starting random state, the batches done
+            # skipped, then the random state as it was after the last of them.
+            step = resume["progress"]["step"]
+            steps.metrics.load_state_dict(resume["metrics"])
+            self._epoch_rng = resume["epoch_rng"]
+            rng_state.restore(resume["epoch_rng"])
+
+            def on_ready() -> None:
+                rng_state.restore(resume["rng"])
+
+        else:
+            self._epoch_rng = rng_state.capture()
+        self._position = {"epoch": epoch, "step": step, "consumed": data.consumed}
+        ran = False
+        for group in self._executions(data.epoch(skip=step, on_ready=on_ready)):
+            ran = True
+            callback_list.on_train_batch_begin(step)
+            sizes = [global_batch_size_of(batch) or 0 for batch in group]
+            state, loss_scale = self.strategy.run(
+                steps.train, args=(group, sizes, self._iterations, self._loss_scale)
+            )
+            self._loss_scale = self.strategy.experimental_local_results(loss_scale)[0]
+            self._merge(state)
+            step += len(group)
+            self._iterations += len(group)
+            self._position = {"epoch": epoch, "step": step, "consumed": data.consumed}
+            callback_list.on_train_batch_end(step - 1, self._logs(sum(sizes)))
+            if self.stop_training:
+                break
+        if not ran and step == 0:
+            if data.one_shot and epoch > 0:
+                self.stop_training = True  # Keras: the iterator ran out of data
+                print(
+                    f"fit(): the input iterator ran out of data at epoch {epoch + 1}; training "
+                    "stops (pass a re-iterable such as a DataLoader, or set steps_per_epoch so "
+                    "that epochs * steps_per_epoch batches exist)",
+                    file=sys.stderr,
+                )
+            else:
+                raise ValueError("fit(): the training data yielded no batches")
+        return self._logs()
+
+    def _set_training(self, mode: bool) -> None:
+        if self._replicas is not None:
+            self._replicas.train(mode)
+
+    def _validation_adapter(self, validation_data: Any, batch_size: int | None) -> Any:
+        if validation_data is None:
+            return None
+        if isinstance(validation_data, (tuple, list)) and all(
+            v is None or _is_array_structure(v) for v in validation_data
+        ):
+            if len(validation_data) not in (2, 3):
+                raise ValueError(
+                    f"validation_data is a {type(validation_data).__name__} of "
+                    f"{len(validation_data)} items; expected (x_val, y_val) or "
+                    "(x_val, y_val, val_sample_weight)"
+                )
+            weight = validation_data[2] if len(validation_data) == 3 else None
+            return DataAdapter(
+                validation_data[0], validation_data[1], weight, batch_size, purpose="evaluate"
+            )
+        return DataAdapter(validation_data, purpose="evaluate")
+
+    @staticmethod
+    def _validation_schedule(validation_freq: Any) -> Callable[[int], bool]:
+        if isinstance(validation_freq, int) and not isinstance(validation_freq, bool):
+            frequency = _positive_int("validation_freq", validation_freq)
+            return lambda epoch: (epoch + 1) % frequency == 0
+        if isinstance(validation_freq, (list, tuple, set, range)):
+            epochs = set(validation_freq)
+            return lambda epoch: epoch + 1 in epochs
+        raise ValueError(
+            f"validation_freq={validation_freq!r}: expected a positive int (every N epochs) or "
+            "a collection of 1-based epochs"
+        )
+
+    def _callback_list(
+        self, callbacks: Sequence[Callback] | None, verbose: int, with_history: bool
+    ) -> CallbackList:
+        """History first, the user's callbacks, backups after them (so an epoch's backup has
+        what they recorded for it), the progress bar last."""
+        given = list(callbacks or [])
+        if not all(isinstance(c, Callback) for c in given):
+            CallbackList(given)  # raises the TypeError naming the wrong one
+        ordered: list[Callback] = []
+        if with_history:
+            self.history = History()
+            ordered.append(self.history)
+        ordered += [c for c in given if not isinstance(c, BackupAndRestore)]
+        ordered += [c for c in given if isinstance(c, BackupAndRestore)]
+        if verbose:
+            ordered.append(ProgbarLogger())
+        callback_list = CallbackList(ordered)
+        callback_list.set_model(self)
+        self._callbacks = ordered
+        return callback_list
+
+    # -- for BackupAndRestore ----------------------------------------------------------------------
+    def _callbacks_in_fit(self) -> list[Callback]:
+        return list(self._callbacks)
+
+    def _fit_position(self) -> tuple[dict[str, Any], dict[str, Any] | None, list[Any]]:
+        """Where fit is (epoch, batches done in it, batches consumed from a one-shot iterator),
+        the random state of the epoch's start, and the epoch's running metrics."""
+        return dict(self._position), self._epoch_rng, self._compiled().metrics.state_dict()
+
+    def _resume_from(
+        self,
+        progress: dict[str, Any],
+        rng: dict[str, Any],
+        epoch_rng: dict[str, Any] | None,
+        metrics: list[Any],
+    ) -> None:
+        """Called from ``on_train_begin``: fit continues at ``progress``."""
+        if not self._in_fit:
+            raise RuntimeError("a fit position can only be restored when fit() begins")
+        self._resume = {
+            "progress": progress,
+            "rng": rng,
+            "epoch_rng": epoch_rng,
+            "metrics": metrics,
+        }
+
+    # -- evaluate and predict ----------------------------------------------------------------------
+    def evaluate(
+        self,
+        x: Any = None,
+        y: Any = None,
+        batch_size: int | None = None,
+        verbose: int | str = "auto",
+        sample_weight: Any = None,
+        steps: int | None = None,
+        callbacks: Sequence[Callback] | None = None,
+        return_dict: bool = False,
+    ) -> Any:
+        """Loss and metrics on the data: a float (loss only), a list ``[loss, metrics...]``, or
+        with ``return_dict`` a dict."""
+        self._compiled()
+        data = DataAdapter(x, y, sample_weight, batch_size, False, steps, "evaluate")
+        verbose = _resolve_verbose(verbose)
+        callback_list = self._callback_list(callbacks, verbose, with_history=False)
+        callback_list.set_params({"epochs": 1, "steps": data.steps_per_epoch, "verbose": verbose})
+        try:
+            logs = self._test_loop(data, callback_list)
+        finally:
+            self._callbacks = []
+        if return_dict:
+            return logs
+        values = list(logs.values())
+        return values[0] if len(values) == 1 else values
+
+    def _test_loop(self, data: DataAdapter, callback_list: CallbackList) -> dict[str, Any]:
+        steps = self._compiled()
+        was_training = self._in_fit
+        steps.metrics.reset()
+        self._set_training(False)
+        callback_list.on_test_begin()
+        step = 0
+        try:
+            for group in self._executions(data.epoch()):
+                callback_list.on_test_batch_begin(step)
+                self._merge(self.strategy.run(steps.test, args=(group,)))
+                step += len(group)
+                callback_list.on_test_batch_end(step - 1, self._logs())
+        finally:
+            self._set_training(was_training)
+        if step == 0:
+            raise ValueError("evaluate(): the evaluation data yielded no batches")
+        logs = self._logs()
+        callback_list.on_test_end(logs)
+        return logs
+
+    def predict(
+        self,
+        x: Any,
+        batch_size: int | None = None,
+        verbose: int | str = "auto",
+        steps: int | None = None,
+        callbacks: Sequence[Callback] | None = None,
+    ) -> Any:
+        """The model's outputs for every example, concatenated in order, on the CPU (a tensor,
+        or the structure the module returns)."""
+        replicas = self._mirrored_module()
+        compiled = self._steps
+        runner = compiled if compiled is not None else _predict_only(replicas)
+        data = DataAdapter(x, None, None, batch_size, False, steps, "predict")
+        verbose = _resolve_verbose(verbose)
+        callback_list = self._callback_list(callbacks, verbose, with_history=False)
+        callback_list.set_params({"epochs": 1, "steps": data.steps_per_epoch, "verbose": verbose})
+        outputs: list[Any] = []
+        replicas.train(False)
+        callback_list.on_predict_begin()
+        try:
+            step = 0
+            for group in self._executions(data.epoch()):
+                callback_list.on_predict_batch_begin(step)
+                per_batch = self.strategy.run(runner.predict, args=(group,))
+                for index in range(len(group)):
+                    outputs.append(
+                        map_structure(lambda t: t.cpu(), self.strategy.gather(per_batch[index], 0))
+                    )
+                step += len(group)
+                callback_list.on_predict_batch_end(step - 1, {})
+        finally:
+            self._callbacks = []
+        if not outputs:
+            raise ValueError("predict(): the data yielded no batches")
+        callback_list.on_predict_end()
+        return map_structure(lambda *parts: torch.cat(parts), *outputs)
+
+    # -- saving ------------------------------------------------------------------------------------
+    def training_state(self) -> dict[str, Any]:
+        """Model, optimizer, schedule, step count and loss scale, as plain data."""
+        steps = self._compiled()
+        return {
+            "model": self.module.state_dict(),
+            "optimizer": self._optimizer.state_dict(),
+            "lr_scheduler": None if steps.lr_scheduler is None else steps.lr_scheduler.state_dict(),
+            "iterations": self._iterations,
+            "loss_scale": {
+                "scale": self._loss_scale.scale,
+                "good_steps": self._loss_scale.good_steps,
+            },
+        }
+
+    def load_training_state(self, state: dict[str, Any], source: str = "the checkpoint") -> None:
+        """Restore what ``training_state`` returned; all or nothing."""
+        steps = self._compiled()
+        checkpoint.check_module_state(self._replicas, state["model"], source)
+        self._optimizer.load_state_dict(state["optimizer"])
+        checkpoint.load_module_state(self._replicas, state["model"], source)
+        if steps.lr_scheduler is not None and state["lr_scheduler"] is not None:
+            steps.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self._iterations = int(state["iterations"])
+        self._loss_scale = LossScale(
+            scale=float(state["loss_scale"]["scale"]),
+            good_steps=int(state["loss_scale"]["good_steps"]),
+        )
+
+    def save(self, filepath: str | Path) -> None:
+        """Write the whole training state (``load`` restores it), atomically; only where the
+        strategy writes checkpoints (the chief)."""
+        if self.strategy.should_checkpoint:
+            checkpoint.save({"format": _MODEL_FORMAT, **self.training_state()}, filepath)
+
+    def load(self, filepath: str | Path) -> None:
+        """Restore a file written by ``save`` into this compiled model."""
+        saved = checkpoint.load(filepath)
+        if not isinstance(saved, dict) or saved.get("format") != _MODEL_FORMAT:
+            raise ValueError(
+                f"{str(filepath)!r} was not written by Model.save(); for weights only use "
+                "load_weights()"
+            )
+        self.load_training_state(saved, repr(str(filepath)))
+
+    def save_weights(self, filepath: str | Path) -> None:
+        """Write the module's state dict (a plain ``torch.load``-able file), atomically; only
+        where the strategy writes checkpoints (the chief)."""
+        if self.strategy.should_checkpoint:
+            checkpoint.save(self.module.state_dict(), filepath)
+
+    def load_weights(self, filepath: str | Path) -> None:
+        """Load weights from ``save_weights`` or ``save`` files into every replica; a file that
+        does not fit the model raises and loads nothing."""
+        saved = checkpoint.load(filepath)
+        if isinstance(saved, dict) and saved.get("format") == _MODEL_FORMAT:
+            saved = saved["model"]
+        checkpoint.load_module_state(self._mirrored_module(), saved, repr(str(filepath)))
+
+    # -- summary -----------------------------------------------------------------------------------
+    def summary(self, print_fn: Callable[[str], Any] | None = print) -> str:
+        """A table of the module's top-level layers and parameter counts; printed and returned."""
+        rows = [("Layer (type)", "Param #")]
+        for name, child in self.module.named_children():
+            count = sum(p.numel() for p in child.parameters())
+            rows.append((f"{name} ({type(child).__name__})", f"{count:,}"))
+        total = sum(p.numel() for p in self.module.parameters())
+        trainable = sum(p.numel() for p in self.module.parameters() if p.requires_grad)
+        size = sum(p.numel() * p.element_size() for p in self.module.parameters())
+        width = max(len(r[0]) for r in rows) + 4
+        rule = "=" * (width + 14)
+        lines = [f'Model: "{type(self.module).__name__}" on {self.strategy}', rule]
+        lines += [f"{left:<{width}}{right:>14}" for left, right in rows[:1]]
+        lines += [rule]
+        lines += [f"{left:<{width}}{right:>14}" for left, right in rows[1:]]
+        lines += [
+            rule,
+            f"Total params: {total:,} ({size / 2**20:.2f} MiB)",
+            f"Trainable params: {trainable:,}",
+            f"Non-trainable params: {total - trainable:,}",
+        ]
+        text = "\n".join(lines)
+        if print_fn is not None:
+            print_fn(text)
+        return text
+
+
+def _predict_only(replicas: Any) -> Steps:
+    """The predict step of a model that was never compiled."""
+    return Steps(
+        module=replicas,
+        optimizer=None,
+        loss=None,  # type: ignore[arg-type]
+        metrics=MetricSet([], []),
+        precision="32",
+        schedule=None,
+        lr_scheduler=None,
+    )

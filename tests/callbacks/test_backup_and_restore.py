@@ -1,0 +1,221 @@
+"""BackupAndRestore: a run killed at any moment and started again ends with exactly the weights of
+an uninterrupted run."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import mirrored
+from mirrored import checkpoint
+
+JOB = Path(__file__).with_name("backup_job.py")
+ROOT = Path(__file__).parents[2]
+
+
+class Crash(Exception):
+    pass
+
+
+class CrashAt(mirrored.callbacks.Callback):
+    """Raises after the given number of training batches (counted across epochs)."""
+
+    def __init__(self, after_batches: int) -> None:
+        super().__init__()
+        self.remaining = after_batches
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        self.remaining -= 1
+        if self.remaining == 0:
+            raise Crash
+
+
+def dataset() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(203, 12, generator=generator), torch.randint(
+        0, 5, (203,), generator=generator
+    )
+
+
+def run(
+    num_replicas: int,
+    data: str,
+    callbacks: list[mirrored.callbacks.Callback],
+    steps_per_execution: int = 1,
+) -> tuple[dict[str, torch.Tensor], dict[str, list[float]]]:
+    """A fresh 'process': same seed, same model init, then fit for 3 epochs."""
+    torch.manual_seed(1)
+    module = nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 5))
+    x, y = dataset()
+    with mirrored.MirroredStrategy([f"cpu:{i}" for i in range(num_replicas)]) as strategy:
+        with strategy.scope():
+            model = mirrored.Model(module)
+            model.compile(
+                optimizer=mirrored.optimizers.Adam(
+                    mirrored.optimizers.schedules.PolynomialDecay(1e-2, 39, 1e-4)
+                ),
+                loss=mirrored.losses.SparseCategoricalCrossentropy(from_logits=True),
+                metrics=["accuracy"],
+                steps_per_execution=steps_per_execution,
+            )
+        early = mirrored.callbacks.EarlyStopping(monitor="loss", patience=5)
+        if data == "arrays":
+            history = model.fit(
+                x, y, batch_size=16, epochs=3, verbose=0, callbacks=[early, *callbacks]
+            )
+        elif data == "loader":
+            loader = DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True)
+            history = model.fit(loader, epochs=3, verbose=0, callbacks=[early, *callbacks])
+        else:  # a one-shot generator, 10 batches per epoch
+
+            def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+                for _ in range(3):
+                    for start in range(0, 160, 16):
+                        yield x[start : start + 16], y[start : start + 16]
+
+            history = model.fit(
+                batches(), steps_per_epoch=10, epochs=3, verbose=0, callbacks=[early, *callbacks]
+            )
+        return model.state_dict(), history.history
+
+
+def assert_identical(expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor]) -> None:
+    for name, value in expected.items():
+        assert torch.equal(actual[name], value), f"{name} differs from the uninterrupted run"
+
+
+@pytest.mark.parametrize(
+    ("num_replicas", "data", "save_freq", "crash_after", "steps_per_execution"),
+    [
+        (2, "arrays", 1, 17, 1),  # mid-epoch (13 batches per epoch)
+        (2, "loader", 4, 30, 1),  # shuffling DataLoader, backup a few batches back
+        (1, "arrays", "epoch", 20, 1),  # epoch backups: redo part of an epoch
+        (3, "arrays", 2, 10, 2),  # several batches per execution (7 hooks an epoch)
+        (2, "generator", 3, 14, 1),  # a one-shot iterator continues across epochs
+    ],
+)
+def test_resume_after_a_crash_gives_the_uninterrupted_weights(
+    tmp_path: Path,
+    num_replicas: int,
+    data: str,
+    save_freq: Any,
+    crash_after: int,
+    steps_per_execution: int,
+) -> None:
+    expected, expected_history = run(num_replicas, data, [], steps_per_execution)
+    backup = mirrored.callbacks.BackupAndRestore(tmp_path, save_freq=save_freq)
+    with pytest.raises(Crash):
+        run(num_replicas, data, [CrashAt(crash_after), backup], steps_per_execution)
+    assert backup.path.exists()
+    actual, history = run(num_replicas, data, [backup], steps_per_execution)
+    assert_identical(expected, actual)
+    assert history == expected_history  # History and the epoch's metrics were restored too
+    assert not backup.path.exists(), "a finished run deletes its backup"
+
+
+def test_backups_restore_with_another_replica_count(tmp_path: Path) -> None:
+    backup = mirrored.callbacks.BackupAndRestore(tmp_path, save_freq=1, delete_checkpoint=False)
+    with pytest.raises(Crash):
+        run(3, "arrays", [CrashAt(20), backup])
+    saved = checkpoint.load(backup.path)
+    # The crash came after the 20th batch, before its backup: 13 + 6 batches are backed up.
+    assert saved["progress"] == {"epoch": 1, "step": 6, "consumed": 0}
+    weights, history = run(2, "arrays", [backup])  # resumes on 2 replicas
+    assert all(torch.isfinite(v).all() for v in weights.values())
+    assert len(history["loss"]) == 3  # epoch 1 was finished, not restarted or skipped
+
+
+def test_a_failed_write_keeps_the_last_backup(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backup = mirrored.callbacks.BackupAndRestore(tmp_path, save_freq=1, delete_checkpoint=False)
+    with pytest.raises(Crash):
+        run(2, "arrays", [CrashAt(5), backup])
+    before = backup.path.read_bytes()
+
+    def broken_save(obj: Any, file: Any) -> None:
+        file.write(b"half a checkpoint")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", broken_save)
+    with pytest.raises(OSError, match="disk full"):
+        run(2, "arrays", [backup])
+    assert backup.path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["backup.pt"], "temporary file left"
+
+
+def test_a_backup_of_something_else_is_refused(tmp_path: Path) -> None:
+    torch.save({"weights": torch.zeros(1)}, tmp_path / "backup.pt")
+    with pytest.raises(ValueError, match="not a mirrored backup"):
+        run(1, "arrays", [mirrored.callbacks.BackupAndRestore(tmp_path)])
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="save_freq"):
+        mirrored.callbacks.BackupAndRestore("x", save_freq=0)
+    with pytest.raises(ValueError, match="save_freq"):
+        mirrored.callbacks.BackupAndRestore("x", save_freq="batch")
+    with pytest.raises(ValueError, match="backup_dir"):
+        mirrored.callbacks.BackupAndRestore("")
+
+
+def _job(backup_dir: Path, out: Path) -> subprocess.Popen[bytes]:
+    environment = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen(
+        [sys.executable, str(JOB), str(backup_dir), str(out), "2"],
+        env=environment,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+
+
+@pytest.mark.slow
+def test_sigkill_at_any_moment_then_rerun_ends_with_the_uninterrupted_weights(
+    tmp_path: Path,
+) -> None:
+    reference = tmp_path / "reference.pt"
+    job = _job(tmp_path / "reference_backup", reference)
+    _, errors = job.communicate(timeout=240)
+    assert job.returncode == 0, errors.decode()
+
+    backup_dir, out = tmp_path / "backup", tmp_path / "resumed.pt"
+    backup_file = backup_dir / "backup.pt"
+    chooser = random.Random(0)
+    kills = 0
+    for _ in range(3):
+        last_backup = backup_file.stat().st_mtime_ns if backup_file.exists() else None
+        job = _job(backup_dir, out)
+        deadline = time.monotonic() + 120
+        # Wait until this run has written a backup of its own (it has made progress).
+        while job.poll() is None and time.monotonic() < deadline:
+            if backup_file.exists() and backup_file.stat().st_mtime_ns != last_backup:
+                break
+            time.sleep(0.01)
+        time.sleep(chooser.uniform(0.0, 0.4))  # mid-epoch, mid-step or mid-backup
+        if job.poll() is None:
+            job.send_signal(signal.SIGKILL)
+            kills += 1
+        job.wait(timeout=60)
+    assert kills >= 2, "the job finished before it could be killed; slow it down"
+    assert backup_file.exists()
+    job = _job(backup_dir, out)
+    _, errors = job.communicate(timeout=240)
+    assert job.returncode == 0, errors.decode()
+
+    expected = torch.load(reference, weights_only=True)
+    actual = torch.load(out, weights_only=True)
+    assert_identical(expected["weights"], actual["weights"])
+    assert actual["history"] == expected["history"]
+    assert not backup_file.exists()

@@ -1,0 +1,94 @@
+"""DataAdapter: arrays and iterables to global batches, epochs, skipping for resume."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from mirrored.training.data_adapter import DataAdapter, unpack_batch
+
+
+def test_arrays_are_batched_with_a_ragged_last_batch() -> None:
+    x, y = torch.arange(10.0).reshape(10, 1), torch.arange(10)
+    adapter = DataAdapter(x, y, batch_size=4)
+    batches = list(adapter.epoch())
+    assert adapter.steps_per_epoch == 3
+    assert [len(b[0]) for b in batches] == [4, 4, 2]
+    assert torch.equal(torch.cat([b[1] for b in batches]), y)
+    assert all(b[2] is None for b in batches)
+
+
+def test_shuffle_draws_a_new_order_each_epoch_from_torch_generator() -> None:
+    x, y = torch.arange(50.0).reshape(50, 1), torch.arange(50)
+    adapter = DataAdapter(x, y, batch_size=8, shuffle=True)
+    torch.manual_seed(3)
+    first = torch.cat([b[1] for b in adapter.epoch()])
+    second = torch.cat([b[1] for b in adapter.epoch()])
+    torch.manual_seed(3)
+    assert torch.equal(torch.cat([b[1] for b in adapter.epoch()]), first)
+    assert not torch.equal(first, second)
+    assert torch.equal(first.sort().values, y)
+
+
+def test_numpy_float64_becomes_float32_and_structures_are_kept() -> None:
+    x = {"a": np.zeros((6, 2)), "b": np.ones((6, 3), dtype=np.int64)}
+    (batch_x, batch_y, weight), *_ = DataAdapter(x, np.arange(6), np.ones(6), batch_size=6).epoch()
+    assert batch_x["a"].dtype == torch.float32 and batch_x["b"].dtype == torch.int64
+    assert weight.dtype == torch.float32 and batch_y.shape == (6,)
+
+
+def test_skip_resumes_mid_epoch_and_on_ready_runs_before_the_next_batch() -> None:
+    x, y = torch.arange(10.0).reshape(10, 1), torch.arange(10)
+    events: list[str] = []
+    adapter = DataAdapter(x, y, batch_size=2)
+    iterator = adapter.epoch(skip=3, on_ready=lambda: events.append("ready"))
+    first = next(iterator)
+    assert events == ["ready"]
+    assert first[1].tolist() == [6, 7]
+
+
+def test_steps_limits_an_epoch_and_a_one_shot_iterator_continues() -> None:
+    stream = iter([(torch.zeros(1), torch.tensor([i])) for i in range(7)])
+    adapter = DataAdapter(stream, steps=3)
+    assert adapter.one_shot
+    assert [b[1].item() for b in adapter.epoch()] == [0, 1, 2]
+    assert [b[1].item() for b in adapter.epoch()] == [3, 4, 5]
+    assert adapter.consumed == 6
+    assert [b[1].item() for b in adapter.epoch()] == [6]
+
+
+def test_a_dataloader_starts_a_new_pass_every_epoch() -> None:
+    loader = DataLoader(TensorDataset(torch.zeros(5, 1), torch.arange(5)), batch_size=2)
+    adapter = DataAdapter(loader)
+    assert adapter.steps_per_epoch == 3 and not adapter.one_shot
+    assert len(list(adapter.epoch())) == len(list(adapter.epoch())) == 3
+
+
+def test_unpack_batch() -> None:
+    assert unpack_batch((1, 2), "fit") == (1, 2, None)
+    assert unpack_batch([1, 2, 3], "fit") == (1, 2, 3)
+    assert unpack_batch(torch.zeros(1), "predict")[1] is None
+    with pytest.raises(ValueError, match="needs targets"):
+        unpack_batch(torch.zeros(1), "fit")
+    with pytest.raises(ValueError, match="4 items"):
+        unpack_batch((1, 2, 3, 4), "fit")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"x": None}, ValueError, "x=None"),
+        ({"x": 3}, TypeError, "expected a tensor"),
+        ({"x": torch.zeros(4, 1), "y": [1, 2, 3, 4]}, TypeError, "y is a list"),
+        ({"x": torch.zeros(4, 1)}, ValueError, "no y"),
+        ({"x": torch.zeros(4, 1), "y": torch.zeros(3)}, ValueError, "same number"),
+        ({"x": torch.zeros(4, 1), "y": torch.zeros(4), "batch_size": 1.5}, ValueError, "batch"),
+        ({"x": torch.zeros(4, 1), "y": torch.zeros(4), "steps": 0}, ValueError, "steps=0"),
+        ({"x": torch.zeros(()), "y": torch.zeros(4)}, ValueError, "same number"),
+    ],
+)
+def test_bad_input(kwargs: dict[str, object], error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        DataAdapter(**kwargs)  # type: ignore[arg-type]
