@@ -51,7 +51,7 @@ def run_fake(callback: TensorBoard, model: FakeModel, epochs: int = 2, steps: in
 
 
 def test_epoch_scalars_go_to_train_and_validation_runs_as_keras(tmp_path: Path) -> None:
-    callback = TensorBoard(tmp_path)
+    callback = TensorBoard(tmp_path, write_steps_per_second=False)
     run_fake(callback, FakeModel())
     train, validation = read(tmp_path / "train"), read(tmp_path / "validation")
     assert set(train.Tags()["scalars"]) == {"epoch_loss", "epoch_mae", "epoch_learning_rate"}

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
+import mirrored
 from mirrored.callbacks import Callback, TerminateOnNaN
 from tests.callbacks.fakes import FakeModel, attach, fit_linear, linear_data
 
@@ -73,3 +76,29 @@ def test_fit_raise_error_propagates() -> None:
         fit_linear(
             [TerminateOnNaN(raise_error=True)], epochs=5, data=poisoned_data(), shuffle=False
         )
+
+
+@pytest.mark.parametrize("raise_error", [False, True])
+def test_a_nan_leaves_the_last_good_files_on_disk(tmp_path: Path, raise_error: bool) -> None:
+    """Backups and checkpoints are never written with a NaN loss; the last good backup stays."""
+    x, y = torch.randn(64, 4), torch.randn(64, 1)
+    x[40:] = float("nan")  # batches 5.. of each epoch are poisoned
+    backup = tmp_path / "backup"
+    model = mirrored.Model(torch.nn.Linear(4, 1))
+    model.compile(optimizer="sgd", loss="mse")
+    callbacks = [
+        TerminateOnNaN(raise_error=raise_error),
+        mirrored.callbacks.ModelCheckpoint(tmp_path / "weights.pt", monitor="loss"),
+        mirrored.callbacks.BackupAndRestore(backup, save_freq=2),
+    ]
+    if raise_error:
+        with pytest.raises(FloatingPointError):
+            model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=callbacks)
+    else:
+        with pytest.warns(UserWarning, match="the last good"):
+            model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=callbacks)
+    assert not (tmp_path / "weights.pt").exists()  # the epoch never ended with a finite loss
+    saved = torch.load(backup / "backup.pt", weights_only=True)
+    assert saved["progress"]["step"] == 4  # the backup after batch 4, before the first NaN
+    assert all(torch.isfinite(v).all() for v in saved["training"]["model"].values())
+    assert sorted(p.name for p in backup.iterdir()) == ["backup.pt"]

@@ -106,11 +106,10 @@ class BackupAndRestore(Callback):
 
     def _save(self, logs: Logs | None) -> None:
         model = self._model()
-        loss = (logs or {}).get("loss")
-        if isinstance(loss, float) and not math.isfinite(loss):
+        if not _finite_loss(logs):
             warnings.warn(
-                f"not backing up to {str(self.path)!r}: the loss is {loss}; the last good "
-                "backup stays",
+                f"not backing up to {str(self.path)!r}: the loss is {(logs or {})['loss']}; "
+                "the last good backup stays",
                 stacklevel=2,
             )
             return
@@ -133,8 +132,12 @@ class BackupAndRestore(Callback):
         checkpoint.save(backup, self.path)
 
     def on_train_end(self, logs: Logs | None = None) -> None:
-        if self.delete_checkpoint and self._model().strategy.should_checkpoint:
-            self.path.unlink(missing_ok=True)
+        if (
+            _finite_loss(logs)
+            and self.delete_checkpoint
+            and self._model().strategy.should_checkpoint
+        ):
+            self.path.unlink(missing_ok=True)  # a run that ended on a NaN keeps its last backup
 
     # -- helpers -----------------------------------------------------------------------------------
     def _model(self) -> Any:
@@ -154,3 +157,8 @@ def _keys(class_names: list[str]) -> list[tuple[str, int]]:
         keys.append((name, seen.get(name, 0)))
         seen[name] = seen.get(name, 0) + 1
     return keys
+
+
+def _finite_loss(logs: Logs | None) -> bool:
+    loss = (logs or {}).get("loss")
+    return not isinstance(loss, float) or math.isfinite(loss)

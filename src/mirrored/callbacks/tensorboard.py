@@ -4,9 +4,10 @@
 The layout is Keras's, so dashboards and habits carry over: ``log_dir/train`` and
 ``log_dir/validation`` runs, ``epoch_loss`` / ``epoch_<metric>`` at each epoch (``val_`` logs go to
 the validation run under the same tag), ``epoch_learning_rate``, and with ``update_freq=N``
-``batch_<name>`` every N training batches against the global step. ``write_steps_per_second``
-adds the epoch's training throughput, in steps and (when ``fit`` reports batch sizes) examples
-per second, timed from the epoch's start to its last training batch, validation excluded.
+``batch_<name>`` every N training batches against the global step, and the epoch's training
+throughput in steps and (when ``fit`` reports batch sizes) examples per second, timed from the
+epoch's start to its last training batch, validation excluded (``write_steps_per_second=False``
+leaves it out; Keras's default is False, the throughput is worth having by default).
 Only the process that writes checkpoints writes summaries.
 """
 
@@ -57,7 +58,7 @@ class TensorBoard(Callback):
         log_dir: str | os.PathLike[str] = "logs",
         histogram_freq: int = 0,
         *,
-        write_steps_per_second: bool = False,
+        write_steps_per_second: bool = True,
         update_freq: str | int = "epoch",
     ) -> None:
         super().__init__()

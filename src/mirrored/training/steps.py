@@ -65,7 +65,7 @@ class MetricSet:
         self, loss_sum: torch.Tensor, count: int, y: Any, y_pred: Any, sample_weight: Any
     ) -> torch.Tensor:
         """This shard's partial sums: [loss sum, examples, each metric's state...]."""
-        parts = [torch.stack([loss_sum.detach().double(), loss_sum.new_tensor(count).double()])]
+        parts = [torch.stack([loss_sum.detach().double(), loss_sum.new_full((), count).double()])]
         parts += [m.batch_state(y, y_pred) for m in self.metrics]
         parts += [m.batch_state(y, y_pred, sample_weight=sample_weight) for m in self.weighted]
         return torch.cat([p.to(parts[0].device) for p in parts])

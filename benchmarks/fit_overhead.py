@@ -1,0 +1,213 @@
+"""What ``mirrored.Model.fit`` costs over the training loop you would write by hand.
+
+The same model, optimizer and data as ``overhead.py`` (MLP 784-512-512-10, ReLU, Adam lr 1e-3,
+synthetic float32 batches from a fixed seed, global batch 256, all in memory), five ways:
+
+- ``plain``: the plain single-device PyTorch loop with all cores (``overhead.time_plain``);
+- ``fit-1``: ``mirrored.Model(module)`` on the default one-device strategy (no scope), compiled
+  with a torch Adam, ``SparseCategoricalCrossentropy(from_logits=True)`` and
+  ``metrics=["accuracy"]``, trained by ``fit(x, y, batch_size=256, epochs=1, shuffle=False,
+  verbose=0)``;
+- ``loop-2``: the custom loop on ``MirroredStrategy`` over two logical CPU devices
+  (``strategy.run`` of a step with ``compute_average_loss`` and ``optimizer.step`` inside:
+  ``overhead.time_mirrored``, its ``mirrored-2`` configuration);
+- ``fit-2``: ``fit`` on the same two-device ``MirroredStrategy`` (model created in its scope);
+- ``fit-2-spe4``: ``fit-2`` with ``compile(steps_per_execution=4)``.
+
+Each measurement builds a fresh model, optimizer (and strategy), runs the warm-up steps
+(``overhead.WARMUP_STEPS``; for fit, one ``fit`` call on those batches), then times ``--steps``
+steps; for fit that is one ``fit`` call over exactly those batches, so its per-call set-up
+(data adapter, callbacks, History) is counted too. The fit variants pay for what the loops do not
+do: the loss tracker and accuracy, one host copy of them per execution, the callback hooks.
+
+Rounds are interleaved (every variant once per round, the order rotated by one each round), as in
+``overhead.py``. Three throughput ratios are printed, each against its reference from the same
+run: fit-1 / plain, fit-2 / loop-2 and fit-2-spe4 / loop-2, both best to best (the least
+disturbed measurement of each; interference only adds time) and as the median of the per-round
+ratios. Goal: fit-1 and fit-2 at >= 0.97x (fit's bookkeeping costs under 3%), judged on best.
+
+Run from the repository root: ``.venv/bin/python benchmarks/fit_overhead.py`` (about 2 minutes on
+a 2-core machine); ``--steps``, ``--rounds``, ``--batch-size``, ``--json PATH``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+
+import mirrored
+from mirrored import config
+
+# Run as a script, this file's folder is on sys.path: the shared pieces come from overhead.py.
+from overhead import (
+    LEARNING_RATE,
+    WARMUP_STEPS,
+    Batch,
+    machine_description,
+    make_batches,
+    make_model,
+    time_mirrored,
+    time_plain,
+)
+
+TWO_DEVICES = ["cpu:0", "cpu:1"]
+# (variant, its reference, goal for variant / reference throughput judged best to best or None).
+COMPARISONS: list[tuple[str, str, float | None]] = [
+    ("fit-1", "plain", 0.97),
+    ("fit-2", "loop-2", 0.97),
+    ("fit-2-spe4", "loop-2", None),
+]
+
+
+def time_fit(
+    devices: Sequence[str] | None,
+    warmup: Sequence[Batch],
+    timed: Sequence[Batch],
+    steps_per_execution: int = 1,
+) -> float:
+    """Seconds of one ``fit`` call over ``timed``; ``devices=None``: the default strategy."""
+    batch_size = len(timed[0][0])
+    x_warmup, y_warmup = (torch.cat(parts) for parts in zip(*warmup, strict=True))
+    x, y = (torch.cat(parts) for parts in zip(*timed, strict=True))
+    strategy = None if devices is None else mirrored.MirroredStrategy(devices=devices)
+    try:
+        with nullcontext() if strategy is None else strategy.scope():
+            model = mirrored.Model(make_model())
+            model.compile(
+                optimizer=torch.optim.Adam(model.parameters(), lr=LEARNING_RATE),
+                loss=mirrored.losses.SparseCategoricalCrossentropy(from_logits=True),
+                metrics=["accuracy"],
+                steps_per_execution=steps_per_execution,
+            )
+        settings: dict[str, Any] = {
+            "batch_size": batch_size,
+            "epochs": 1,
+            "shuffle": False,
+            "verbose": 0,
+        }
+        model.fit(x_warmup, y_warmup, **settings)
+        start = time.perf_counter()
+        model.fit(x, y, **settings)
+        return time.perf_counter() - start
+    finally:
+        if strategy is not None:
+            strategy.close()
+
+
+def compare(times: dict[str, list[float]]) -> list[dict[str, Any]]:
+    """Throughput of each variant over its reference's, best to best and median paired."""
+    rows = []
+    for name, reference, goal in COMPARISONS:
+        ratio_best = min(times[reference]) / min(times[name])
+        ratio_paired = statistics.median(
+            ref / mine for ref, mine in zip(times[reference], times[name], strict=True)
+        )
+        rows.append(
+            {
+                "variant": name,
+                "reference": reference,
+                "ratio_best": ratio_best,
+                "ratio_paired": ratio_paired,
+                "goal": goal,
+                "met": None if goal is None else ratio_best >= goal,
+            }
+        )
+    return rows
+
+
+def print_report(times: dict[str, list[float]], rows: Sequence[dict[str, Any]], steps: int) -> None:
+    print(f"\n{'variant':<11} {'best ms/step':>12} {'median ms/step':>15}")
+    for name, seconds in times.items():
+        best, median = 1e3 * min(seconds) / steps, 1e3 * statistics.median(seconds) / steps
+        print(f"{name:<11} {best:>12.2f} {median:>15.2f}")
+    print(f"\n{'ratio':<22} {'best':>7} {'paired':>7} {'goal':>8} {'met':>4}")
+    for row in rows:
+        goal = "-" if row["goal"] is None else f">={row['goal']:.2f}x"
+        met = "-" if row["met"] is None else ("yes" if row["met"] else "NO")
+        print(
+            f"{row['variant'] + ' / ' + row['reference']:<22} {row['ratio_best']:>6.3f}x "
+            f"{row['ratio_paired']:>6.3f}x {goal:>8} {met:>4}"
+        )
+    print(
+        "ratio: throughput of the variant over its reference's; best: fastest to fastest; "
+        "paired: median of the per-round ratios"
+    )
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=160, help="timed steps per measurement")
+    parser.add_argument("--rounds", type=int, default=9, help="interleaved rounds")
+    parser.add_argument("--batch-size", type=int, default=256, help="global batch size")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.rounds < 1 or args.batch_size < 1:
+        parser.error(
+            f"--steps={args.steps}, --rounds={args.rounds} and --batch-size={args.batch_size} "
+            "must be at least 1"
+        )
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    machine = machine_description()
+    print(", ".join(f"{key}: {value}" for key, value in machine.items()))
+    print(
+        f"MLP 784-512-512-10, Adam, global batch {args.batch_size}, {args.steps} timed steps "
+        f"after {WARMUP_STEPS} warm-up, {args.rounds} interleaved rounds"
+    )
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    cpu = config.list_physical_devices("CPU")[0]
+    config.set_logical_device_configuration(cpu, [config.LogicalDeviceConfiguration()] * 2)
+    batches = make_batches(WARMUP_STEPS + args.steps, args.batch_size)
+    warmup, timed = batches[:WARMUP_STEPS], batches[WARMUP_STEPS:]
+
+    variants: dict[str, Callable[[], float]] = {
+        "plain": lambda: time_plain(warmup, timed),
+        "fit-1": lambda: time_fit(None, warmup, timed),
+        "loop-2": lambda: time_mirrored(TWO_DEVICES, warmup, timed),
+        "fit-2": lambda: time_fit(TWO_DEVICES, warmup, timed),
+        "fit-2-spe4": lambda: time_fit(TWO_DEVICES, warmup, timed, steps_per_execution=4),
+    }
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    names = list(variants)
+    for round_index in range(args.rounds):
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            times[name].append(variants[name]())
+        print(
+            f"round {round_index + 1}/{args.rounds}: "
+            + ", ".join(f"{name} {1e3 * times[name][-1] / args.steps:.2f}" for name in names)
+            + " ms/step"
+        )
+
+    rows = compare(times)
+    print_report(times, rows, args.steps)
+    if args.json:
+        report = {
+            "machine": machine,
+            "settings": {
+                "steps": args.steps,
+                "rounds": args.rounds,
+                "batch_size": args.batch_size,
+                "warmup_steps": WARMUP_STEPS,
+            },
+            "seconds": times,
+            "ratios": rows,
+        }
+        with open(args.json, "w") as file:
+            json.dump(report, file, indent=2)
+
+
+if __name__ == "__main__":
+    main()
