@@ -1,8 +1,9 @@
-"""Device flags shared by the examples: ``--devices N`` and ``--logical-devices N``.
+"""Device flags shared by the examples: ``--devices N``, ``--logical-devices N``, ``--cpu``.
 
 ``--devices N`` trains on N physical devices (GPUs when there are any); ``--logical-devices N``
 carves the first device (the first GPU, else the CPU) into N logical devices, as the articles do
-with four 2 GB logical GPUs out of one card. On a machine without a GPU both mean N logical CPU
+with four 2 GB logical GPUs out of one card; ``--cpu`` uses the CPU even where there is a GPU.
+On a machine without a GPU ``--devices N`` and ``--logical-devices N`` both mean N logical CPU
 devices.
 """
 
@@ -13,8 +14,9 @@ import contextlib
 
 import mirrored
 from mirrored import config
+from mirrored.config import LogicalDevice, PhysicalDevice
 
-__all__ = ["add_device_arguments", "positive_int", "strategy_from_arguments"]
+__all__ = ["add_device_arguments", "logical_devices", "positive_int", "strategy_from_arguments"]
 
 
 def positive_int(text: str) -> int:
@@ -39,35 +41,47 @@ def add_device_arguments(parser: argparse.ArgumentParser, default_logical: int =
         default=default_logical,
         help=f"split the first device into N logical devices (default {default_logical})",
     )
+    parser.add_argument("--cpu", action="store_true", help="use the CPU even when there is a GPU")
     parser.add_argument(
         "--memory-limit",
-        type=int,
+        type=positive_int,
         default=2048,
         help="MiB per logical GPU (ignored on the CPU; default 2048, as the article's)",
     )
 
 
+def logical_devices(
+    physical: PhysicalDevice, count: int, memory_limit: int | None = None
+) -> list[LogicalDevice]:
+    """The first ``count`` logical devices of ``physical``, splitting it when it is not split.
+
+    A split is set once per process: when it already is (a notebook cell run twice, a test
+    session), its first ``count`` logical devices are used.
+    """
+    limit = memory_limit if physical.device_type == "GPU" else None
+    if config.get_logical_device_configuration(physical) is None:
+        # RuntimeError: already in use whole, so its one logical device is all there is.
+        with contextlib.suppress(RuntimeError):
+            config.set_logical_device_configuration(
+                physical, [config.LogicalDeviceConfiguration(memory_limit=limit)] * count
+            )
+    available = [d for d in config.list_logical_devices() if d.physical == physical]
+    if len(available) < count:
+        raise ValueError(
+            f"--logical-devices {count}: {physical.name} is already split into "
+            f"{len(available)} logical device(s) in this process, and a split cannot change "
+            f"once used; pass --logical-devices {len(available)} or fewer, or use a new process"
+        )
+    return available[:count]
+
+
 def strategy_from_arguments(args: argparse.Namespace) -> mirrored.MirroredStrategy:
     """The MirroredStrategy the flags ask for."""
-    gpus = config.list_physical_devices("GPU")
-    count = args.devices if args.devices is not None else args.logical_devices
+    gpus = [] if args.cpu else config.list_physical_devices("GPU")
     if args.devices is not None and gpus:
-        if count > len(gpus):
-            raise SystemExit(f"--devices {count}: this machine has {len(gpus)} GPU(s)")
-        return mirrored.MirroredStrategy([f"gpu:{i}" for i in range(count)])
+        if args.devices > len(gpus):
+            raise ValueError(f"--devices {args.devices}: this machine has {len(gpus)} GPU(s)")
+        return mirrored.MirroredStrategy([f"gpu:{i}" for i in range(args.devices)])
+    count = args.devices if args.devices is not None else args.logical_devices
     physical = gpus[0] if gpus else config.list_physical_devices("CPU")[0]
-    limit = args.memory_limit if physical.device_type == "GPU" else None
-    # Configured differently earlier in this process (a notebook, a test): take the first ones.
-    with contextlib.suppress(RuntimeError):
-        config.set_logical_device_configuration(
-            physical, [config.LogicalDeviceConfiguration(memory_limit=limit)] * count
-        )
-    existing = [
-        d for d in config.list_logical_devices(physical.device_type) if d.physical == physical
-    ]
-    if len(existing) < count:
-        raise SystemExit(
-            f"{count} logical devices were asked for, but {physical.name} is already split into "
-            f"{len(existing)} in this process; restart Python to change it"
-        )
-    return mirrored.MirroredStrategy(existing[:count])
+    return mirrored.MirroredStrategy(logical_devices(physical, count, args.memory_limit))
