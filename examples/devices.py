@@ -30,7 +30,11 @@ def positive_int(text: str) -> int:
     return value
 
 
-def add_device_arguments(parser: argparse.ArgumentParser, default_logical: int = 4) -> None:
+def add_device_arguments(
+    parser: argparse.ArgumentParser, default_logical: int = 4, all_gpus_by_default: bool = False
+) -> None:
+    """The device flags. Without one: every local GPU when ``all_gpus_by_default`` and there
+    is a GPU, else ``default_logical`` logical devices of the first device."""
     group = parser.add_mutually_exclusive_group()
     group.add_argument(
         "--devices", type=positive_int, help="train on N physical devices (GPUs when any)"
@@ -38,7 +42,6 @@ def add_device_arguments(parser: argparse.ArgumentParser, default_logical: int =
     group.add_argument(
         "--logical-devices",
         type=positive_int,
-        default=default_logical,
         help=f"split the first device into N logical devices (default {default_logical})",
     )
     parser.add_argument("--cpu", action="store_true", help="use the CPU even when there is a GPU")
@@ -48,6 +51,7 @@ def add_device_arguments(parser: argparse.ArgumentParser, default_logical: int =
         default=2048,
         help="MiB per logical GPU (ignored on the CPU; default 2048, as the article's)",
     )
+    parser.set_defaults(default_logical=default_logical, all_gpus_by_default=all_gpus_by_default)
 
 
 def logical_devices(
@@ -78,10 +82,13 @@ def logical_devices(
 def strategy_from_arguments(args: argparse.Namespace) -> mirrored.MirroredStrategy:
     """The MirroredStrategy the flags ask for."""
     gpus = [] if args.cpu else config.list_physical_devices("GPU")
-    if args.devices is not None and gpus:
-        if args.devices > len(gpus):
-            raise ValueError(f"--devices {args.devices}: this machine has {len(gpus)} GPU(s)")
-        return mirrored.MirroredStrategy([f"gpu:{i}" for i in range(args.devices)])
-    count = args.devices if args.devices is not None else args.logical_devices
+    physical_count = args.devices
+    if physical_count is None and args.logical_devices is None and args.all_gpus_by_default:
+        physical_count = len(gpus) or None
+    if physical_count is not None and gpus:
+        if physical_count > len(gpus):
+            raise ValueError(f"--devices {physical_count}: this machine has {len(gpus)} GPU(s)")
+        return mirrored.MirroredStrategy([f"gpu:{i}" for i in range(physical_count)])
+    count = physical_count or args.logical_devices or args.default_logical
     physical = gpus[0] if gpus else config.list_physical_devices("CPU")[0]
     return mirrored.MirroredStrategy(logical_devices(physical, count, args.memory_limit))
