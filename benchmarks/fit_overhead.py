@@ -43,9 +43,6 @@ from typing import Any
 
 import torch
 
-import mirrored
-from mirrored import config
-
 # Run as a script, this file's folder is on sys.path: the shared pieces come from overhead.py.
 from overhead import (
     LEARNING_RATE,
@@ -57,6 +54,9 @@ from overhead import (
     time_mirrored,
     time_plain,
 )
+
+import mirrored
+from mirrored import config
 
 TWO_DEVICES = ["cpu:0", "cpu:1"]
 # (variant, its reference, goal for variant / reference throughput judged best to best or None).

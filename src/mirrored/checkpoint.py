@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["check_module_state", "load", "load_module_state", "save"]
+__all__ = ["all_finite", "check_module_state", "load", "load_module_state", "save"]
 
 PathLike = str | os.PathLike[str]
 
@@ -40,6 +40,16 @@ def save(obj: Any, path: PathLike) -> Path:
         raise
     _fsync_folder(target.parent)
     return target
+
+
+def all_finite(state_dict: Mapping[str, Any]) -> bool:
+    """True when no floating tensor of ``state_dict`` holds a NaN or an infinity: the test a
+    backup passes before it may replace the last good one."""
+    return all(
+        bool(torch.isfinite(value).all())
+        for value in state_dict.values()
+        if isinstance(value, torch.Tensor) and value.is_floating_point()
+    )
 
 
 def _fsync_folder(folder: Path) -> None:

@@ -219,3 +219,21 @@ def test_sigkill_at_any_moment_then_rerun_ends_with_the_uninterrupted_weights(
     assert_identical(expected["weights"], actual["weights"])
     assert actual["history"] == expected["history"]
     assert not backup_file.exists()
+
+
+def test_save_freq_counts_batches_not_executions(tmp_path: Path) -> None:
+    backup = mirrored.callbacks.BackupAndRestore(tmp_path, save_freq=4, delete_checkpoint=False)
+    with pytest.raises(Crash):
+        run(2, "arrays", [CrashAt(3), backup], steps_per_execution=4)  # 3 executions: 12 batches
+    assert checkpoint.load(backup.path)["progress"]["step"] == 8
+
+
+def test_weights_that_are_not_finite_are_never_backed_up(tmp_path: Path) -> None:
+    x, y = torch.randn(32, 4), torch.randn(32, 1)
+    model = mirrored.Model(nn.Linear(4, 1))
+    model.compile(optimizer=mirrored.optimizers.SGD(learning_rate=1e38), loss="mse")
+    backup = mirrored.callbacks.BackupAndRestore(tmp_path, save_freq=1)
+    with pytest.warns(UserWarning, match="not finite"):
+        model.fit(x * 1e3, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[backup])
+    if backup.path.exists():
+        assert checkpoint.all_finite(checkpoint.load(backup.path)["training"]["model"])

@@ -472,3 +472,52 @@ class TestBadInput:
         model.compile(optimizer=mirrored.optimizers.SGD(schedule), loss="mse")
         with pytest.raises(ValueError, match="schedule"):
             model.learning_rate = 0.5
+
+
+def test_predict_from_a_callback_keeps_training_mode_and_fit_state() -> None:
+    x, y, _ = data()
+    modes: list[bool] = []
+    with strategy_for(2) as strategy:
+        model = compiled(strategy, nn.Sequential(make_mlp(FEATURES, CLASSES), nn.Dropout(0.1)))
+
+        def peek(batch: int, logs: object) -> None:
+            model.predict(x[:4], verbose=0)
+            modes.append(bool(model.module.training))
+            with pytest.raises(RuntimeError, match="during fit"):
+                model.evaluate(x, y, verbose=0)
+
+        callback = mirrored.callbacks.LambdaCallback(on_train_batch_end=peek)
+        history = model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[callback])
+    assert modes and all(modes)
+    assert model.history is history and len(history.history["loss"]) == 1
+
+
+def test_a_one_shot_iterator_that_runs_out_ends_fit_without_a_phantom_epoch() -> None:
+    x, y, _ = data()
+    batches = iter([(x[i : i + BATCH], y[i : i + BATCH]) for i in range(0, 3 * BATCH, BATCH)])
+    model = compiled(mirrored.get_strategy(), make_mlp(FEATURES, CLASSES))
+    with pytest.warns(UserWarning, match="ran out of data"):
+        history = model.fit(batches, epochs=3, verbose=0)
+    assert history.epoch == [0] and len(history.history["loss"]) == 1
+
+
+def test_ignore_class_is_refused_by_compile() -> None:
+    model = mirrored.Model(make_mlp())
+    with pytest.raises(ValueError, match="ignore_class"):
+        model.compile(
+            optimizer="adam",
+            loss=mirrored.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=0),
+        )
+
+
+def test_without_tqdm_bars_fall_back_to_a_line_per_epoch(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    x, y, _ = data()
+    model = compiled(mirrored.get_strategy(), make_mlp(FEATURES, CLASSES))
+    with pytest.warns(UserWarning, match="mirrored\\[progress\\]"):
+        model.fit(x, y, batch_size=BATCH, verbose=1)
+    assert capsys.readouterr().out.splitlines()[1].startswith("13/13 - ")

@@ -49,6 +49,7 @@ class BackupAndRestore(Callback):
         self.save_freq = save_freq
         self.delete_checkpoint = delete_checkpoint
         self._batches_since_save = 0
+        self._first_batch = 0
 
     @property
     def path(self) -> Path:
@@ -93,10 +94,14 @@ class BackupAndRestore(Callback):
             )
 
     # -- back up -----------------------------------------------------------------------------------
+    def on_train_batch_begin(self, batch: int, logs: Logs | None = None) -> None:
+        self._first_batch = batch
+
     def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
         if self.save_freq == "epoch":
             return
-        self._batches_since_save += 1
+        # An execution of steps_per_execution batches calls this once, for all of them.
+        self._batches_since_save += batch - self._first_batch + 1
         assert isinstance(self.save_freq, int)
         if self._batches_since_save >= self.save_freq:
             self._save(logs)
@@ -106,10 +111,11 @@ class BackupAndRestore(Callback):
 
     def _save(self, logs: Logs | None) -> None:
         model = self._model()
-        if not _finite_loss(logs):
+        if not _finite_loss(logs) or not checkpoint.all_finite(model.state_dict()):
             warnings.warn(
-                f"not backing up to {str(self.path)!r}: the loss is {(logs or {})['loss']}; "
-                "the last good backup stays",
+                f"not backing up to {str(self.path)!r}: the loss "
+                f"({(logs or {}).get('loss')}) or the weights are not finite; the last good "
+                "backup stays",
                 stacklevel=2,
             )
             return

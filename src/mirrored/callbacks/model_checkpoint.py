@@ -17,6 +17,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from mirrored import checkpoint
 from mirrored.callbacks.callback import Logs
 from mirrored.callbacks.monitor import MonitorCallback
 
@@ -95,10 +96,12 @@ class ModelCheckpoint(MonitorCallback):
         writes = model.strategy.should_checkpoint
         speaks = self.verbose > 0 and writes
         loss = logs.get("loss")
-        if loss is not None and not math.isfinite(float(loss)):
+        if (loss is not None and not math.isfinite(float(loss))) or not checkpoint.all_finite(
+            model.state_dict()
+        ):
             warnings.warn(
-                f"ModelCheckpoint: not saving to {path!r} at epoch {epoch + 1}: the loss is "
-                f"{loss}; the last good checkpoint stays",
+                f"ModelCheckpoint: not saving to {path!r} at epoch {epoch + 1}: the loss "
+                f"({loss}) or the weights are not finite; the last good checkpoint stays",
                 stacklevel=3,
             )
             return

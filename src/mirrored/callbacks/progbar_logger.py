@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 import time
+import warnings
 from typing import Any
 
 from mirrored.callbacks.callback import Callback, Logs
@@ -64,7 +65,16 @@ class ProgbarLogger(Callback):
         self._bar = None
         if self._verbose != 1:
             return
-        from tqdm import tqdm
+        try:
+            from tqdm import tqdm
+        except ImportError:  # an optional extra: fall back to a line per epoch
+            warnings.warn(
+                "progress bars need tqdm (pip install 'mirrored[progress]'); printing a line "
+                "per epoch instead",
+                stacklevel=2,
+            )
+            self.params["verbose"] = 2
+            return
 
         total = self.params.get("steps")
         bar_format = "{n_fmt}/{total_fmt} [{bar:30}]{desc}" if total else "{n_fmt}/Unknown{desc}"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import sys
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -160,6 +161,11 @@ class Model:
         if loss is None:
             raise ValueError("compile() needs a loss, e.g. loss='sparse_categorical_crossentropy'")
         loss_object = losses_module.get(loss)
+        if getattr(loss_object, "ignore_class", None) is not None:
+            raise ValueError(
+                "compile() does not take a loss with ignore_class yet (fit averages over every "
+                "position of the global batch); give the ignored positions sample_weight 0"
+            )
         self._steps_per_execution = _positive_int("steps_per_execution", steps_per_execution)
         if precision not in PRECISIONS:
             raise ValueError(f"precision={precision!r}: expected one of {sorted(PRECISIONS)}")
@@ -293,6 +299,7 @@ class Model:
         validate_at = self._validation_schedule(validation_freq)
         verbose = _resolve_verbose(verbose)
         callback_list = self._callback_list(callbacks, verbose, with_history=True)
+        self._callbacks = list(callback_list.callbacks)
         callback_list.set_params(
             {"epochs": epochs, "steps": data.steps_per_epoch, "verbose": verbose}
         )
@@ -314,8 +321,11 @@ class Model:
                 steps.metrics.reset()
                 self._set_training(True)
                 callback_list.on_epoch_begin(epoch)
-                epoch_logs = self._train_epoch(epoch, data, callback_list, resume)
+                trained = self._train_epoch(epoch, data, callback_list, resume)
                 resume = None
+                if trained is None:  # a one-shot iterator ran out: no epoch to report
+                    break
+                epoch_logs = trained
                 if validation is not None and validate_at(epoch):
                     validation_logs = self._test_loop(validation, callback_list)
                     epoch_logs.update({f"val_{k}": v for k, v in validation_logs.items()})
@@ -338,7 +348,8 @@ class Model:
         data: DataAdapter,
         callback_list: CallbackList,
         resume: dict[str, Any] | None,
-    ) -> dict[str, Any]:
+    ) -> dict[str, Any] | None:
+        """One epoch of training: its logs, or None when a one-shot iterator had run out."""
         steps = self._compiled()
         step = 0
         on_ready: Callable[[], None] | None = None
@@ -374,15 +385,14 @@ class Model:
                 break
         if not ran and step == 0:
             if data.one_shot and epoch > 0:
-                self.stop_training = True  # Keras: the iterator ran out of data
-                print(
+                warnings.warn(  # Keras: the iterator ran out of data
                     f"fit(): the input iterator ran out of data at epoch {epoch + 1}; training "
                     "stops (pass a re-iterable such as a DataLoader, or set steps_per_epoch so "
                     "that epochs * steps_per_epoch batches exist)",
-                    file=sys.stderr,
+                    stacklevel=3,
                 )
-            else:
-                raise ValueError("fit(): the training data yielded no batches")
+                return None
+            raise ValueError("fit(): the training data yielded no batches")
         return self._logs()
 
     def _set_training(self, mode: bool) -> None:
@@ -438,7 +448,6 @@ class Model:
             ordered.append(ProgbarLogger())
         callback_list = CallbackList(ordered)
         callback_list.set_model(self)
-        self._callbacks = ordered
         return callback_list
 
     # -- for BackupAndRestore ----------------------------------------------------------------------
@@ -482,14 +491,16 @@ class Model:
         """Loss and metrics on the data: a float (loss only), a list ``[loss, metrics...]``, or
         with ``return_dict`` a dict."""
         self._compiled()
+        if self._in_fit:
+            raise RuntimeError(
+                "evaluate() was called during fit() (from a callback?): it would reset the "
+                "epoch's metrics; pass validation_data to fit() instead"
+            )
         data = DataAdapter(x, y, sample_weight, batch_size, False, steps, "evaluate")
         verbose = _resolve_verbose(verbose)
         callback_list = self._callback_list(callbacks, verbose, with_history=False)
         callback_list.set_params({"epochs": 1, "steps": data.steps_per_epoch, "verbose": verbose})
-        try:
-            logs = self._test_loop(data, callback_list)
-        finally:
-            self._callbacks = []
+        logs = self._test_loop(data, callback_list)
         if return_dict:
             return logs
         values = list(logs.values())
@@ -534,6 +545,7 @@ class Model:
         callback_list = self._callback_list(callbacks, verbose, with_history=False)
         callback_list.set_params({"epochs": 1, "steps": data.steps_per_epoch, "verbose": verbose})
         outputs: list[Any] = []
+        was_training = bool(self.module.training)
         replicas.train(False)
         callback_list.on_predict_begin()
         try:
@@ -548,7 +560,7 @@ class Model:
                 step += len(group)
                 callback_list.on_predict_batch_end(step - 1, {})
         finally:
-            self._callbacks = []
+            replicas.train(was_training)
         if not outputs:
             raise ValueError("predict(): the data yielded no batches")
         callback_list.on_predict_end()
