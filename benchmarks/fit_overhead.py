@@ -26,7 +26,7 @@ run: fit-1 / plain, fit-2 / loop-2 and fit-2-spe4 / loop-2, both best to best (t
 disturbed measurement of each; interference only adds time) and as the median of the per-round
 ratios. Goal: fit-1 and fit-2 at >= 0.97x (fit's bookkeeping costs under 3%), judged on best.
 
-Run from the repository root: ``.venv/bin/python benchmarks/fit_overhead.py`` (about 2 minutes on
+Run from the repository root: ``.venv/bin/python benchmarks/fit_overhead.py`` (about 80 s on
 a 2-core machine); ``--steps``, ``--rounds``, ``--batch-size``, ``--json PATH``.
 """
 
@@ -67,16 +67,21 @@ COMPARISONS: list[tuple[str, str, float | None]] = [
 ]
 
 
+def as_arrays(batches: Sequence[Batch]) -> Batch:
+    """The batches as one (x, y) pair, which fit batches again in the same order."""
+    x, y = zip(*batches, strict=True)
+    return torch.cat(x), torch.cat(y)
+
+
 def time_fit(
     devices: Sequence[str] | None,
-    warmup: Sequence[Batch],
-    timed: Sequence[Batch],
+    warmup: Batch,
+    timed: Batch,
+    batch_size: int,
     steps_per_execution: int = 1,
 ) -> float:
-    """Seconds of one ``fit`` call over ``timed``; ``devices=None``: the default strategy."""
-    batch_size = len(timed[0][0])
-    x_warmup, y_warmup = (torch.cat(parts) for parts in zip(*warmup, strict=True))
-    x, y = (torch.cat(parts) for parts in zip(*timed, strict=True))
+    """Seconds of one ``fit`` call over the arrays ``timed`` after one over ``warmup``;
+    ``devices=None``: the default strategy."""
     strategy = None if devices is None else mirrored.MirroredStrategy(devices=devices)
     try:
         with nullcontext() if strategy is None else strategy.scope():
@@ -93,9 +98,9 @@ def time_fit(
             "shuffle": False,
             "verbose": 0,
         }
-        model.fit(x_warmup, y_warmup, **settings)
+        model.fit(*warmup, **settings)
         start = time.perf_counter()
-        model.fit(x, y, **settings)
+        model.fit(*timed, **settings)
         return time.perf_counter() - start
     finally:
         if strategy is not None:
@@ -171,14 +176,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     config.set_logical_device_configuration(cpu, [config.LogicalDeviceConfiguration()] * 2)
     batches = make_batches(WARMUP_STEPS + args.steps, args.batch_size)
     warmup, timed = batches[:WARMUP_STEPS], batches[WARMUP_STEPS:]
+    warmup_arrays, timed_arrays = as_arrays(warmup), as_arrays(timed)
+    size = args.batch_size
+
+    def fit_on(devices: Sequence[str] | None, steps_per_execution: int = 1) -> float:
+        return time_fit(devices, warmup_arrays, timed_arrays, size, steps_per_execution)
 
     variants: dict[str, Callable[[], float]] = {
         "plain": lambda: time_plain(warmup, timed),
-        "fit-1": lambda: time_fit(None, warmup, timed),
+        "fit-1": lambda: fit_on(None),
         "loop-2": lambda: time_mirrored(TWO_DEVICES, warmup, timed),
-        "fit-2": lambda: time_fit(TWO_DEVICES, warmup, timed),
-        "fit-2-spe4": lambda: time_fit(TWO_DEVICES, warmup, timed, steps_per_execution=4),
+        "fit-2": lambda: fit_on(TWO_DEVICES),
+        "fit-2-spe4": lambda: fit_on(TWO_DEVICES, steps_per_execution=4),
     }
+    started = time.perf_counter()
     times: dict[str, list[float]] = {name: [] for name in variants}
     names = list(variants)
     for round_index in range(args.rounds):
@@ -193,6 +204,10 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     rows = compare(times)
     print_report(times, rows, args.steps)
+    print(
+        f"load average (1 min) at the end: {os.getloadavg()[0]:.2f}; "
+        f"rounds took {time.perf_counter() - started:.0f} s"
+    )
     if args.json:
         report = {
             "machine": machine,
