@@ -20,6 +20,7 @@ from typing import Any
 
 from mirrored import checkpoint, rng_state
 from mirrored.callbacks.callback import Callback, Logs
+from mirrored.callbacks.save_frequency import SaveFrequency
 
 __all__ = ["BackupAndRestore"]
 
@@ -39,17 +40,10 @@ class BackupAndRestore(Callback):
         super().__init__()
         if not backup_dir:
             raise ValueError("backup_dir is empty; pass the folder where backups go")
-        if save_freq != "epoch" and (
-            not isinstance(save_freq, int) or isinstance(save_freq, bool) or save_freq <= 0
-        ):
-            raise ValueError(
-                f"save_freq={save_freq!r}: expected 'epoch' or a positive number of batches"
-            )
+        self._frequency = SaveFrequency(save_freq, "BackupAndRestore")
         self.backup_dir = Path(backup_dir)
         self.save_freq = save_freq
         self.delete_checkpoint = delete_checkpoint
-        self._batches_since_save = 0
-        self._first_batch = 0
 
     @property
     def path(self) -> Path:
@@ -58,7 +52,7 @@ class BackupAndRestore(Callback):
 
     # -- restore -----------------------------------------------------------------------------------
     def on_train_begin(self, logs: Logs | None = None) -> None:
-        self._batches_since_save = 0
+        self._frequency.saved()
         if not self.path.exists():
             return
         backup = checkpoint.load(self.path)
@@ -95,15 +89,10 @@ class BackupAndRestore(Callback):
 
     # -- back up -----------------------------------------------------------------------------------
     def on_train_batch_begin(self, batch: int, logs: Logs | None = None) -> None:
-        self._first_batch = batch
+        self._frequency.begin(batch)
 
     def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
-        if self.save_freq == "epoch":
-            return
-        # An execution of steps_per_execution batches calls this once, for all of them.
-        self._batches_since_save += batch - self._first_batch + 1
-        assert isinstance(self.save_freq, int)
-        if self._batches_since_save >= self.save_freq:
+        if self._frequency.due(batch):
             self._save(logs)
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
@@ -119,7 +108,7 @@ class BackupAndRestore(Callback):
                 stacklevel=2,
             )
             return
-        self._batches_since_save = 0
+        self._frequency.saved()
         if not model.strategy.should_checkpoint:
             return
         progress, epoch_rng, metrics = model._fit_position()

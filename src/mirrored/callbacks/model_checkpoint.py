@@ -20,6 +20,7 @@ from typing import Any
 from mirrored import checkpoint
 from mirrored.callbacks.callback import Logs
 from mirrored.callbacks.monitor import MonitorCallback
+from mirrored.callbacks.save_frequency import SaveFrequency
 
 __all__ = ["ModelCheckpoint"]
 
@@ -49,13 +50,7 @@ class ModelCheckpoint(MonitorCallback):
         filepath = os.fspath(filepath)
         if not filepath:
             raise ValueError("ModelCheckpoint: filepath is empty; pass the file to save to")
-        if save_freq != "epoch" and (
-            not isinstance(save_freq, int) or isinstance(save_freq, bool) or save_freq <= 0
-        ):
-            raise ValueError(
-                f"ModelCheckpoint: save_freq={save_freq!r}; expected 'epoch' or a positive "
-                "number of batches"
-            )
+        self._frequency = SaveFrequency(save_freq, "ModelCheckpoint")
         _check_fields(filepath)
         self.filepath = filepath
         self.verbose = verbose
@@ -63,26 +58,20 @@ class ModelCheckpoint(MonitorCallback):
         self.save_weights_only = save_weights_only
         self.save_freq = save_freq
         self._epoch = 0
-        self._first_batch = 0
-        self._batches_since_save = 0
 
     # -- hooks -------------------------------------------------------------------------------------
     def on_train_begin(self, logs: Logs | None = None) -> None:
-        self._batches_since_save = 0
+        self._frequency.saved()
 
     def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None:
         self._epoch = epoch
 
     def on_train_batch_begin(self, batch: int, logs: Logs | None = None) -> None:
-        self._first_batch = batch
+        self._frequency.begin(batch)
 
     def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
-        if self.save_freq == "epoch":
-            return
-        # One call may close several batches (steps_per_execution > 1).
-        self._batches_since_save += batch - self._first_batch + 1
-        if self._batches_since_save >= int(self.save_freq):
-            self._batches_since_save = 0
+        if self._frequency.due(batch):
+            self._frequency.saved()
             self._save(self._epoch, batch, logs or {})
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
@@ -157,11 +146,11 @@ class ModelCheckpoint(MonitorCallback):
 
     # -- resuming ----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"best": self.best, "batches_since_save": self._batches_since_save}
+        return {"best": self.best, "batches_since_save": self._frequency.batches_since_save}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.best = None if state["best"] is None else float(state["best"])
-        self._batches_since_save = int(state["batches_since_save"])
+        self._frequency.batches_since_save = int(state["batches_since_save"])
 
 
 def _check_fields(filepath: str) -> None:
