@@ -8,6 +8,11 @@ batch.
 from __future__ import annotations
 
 from mirrored import callbacks, checkpoint, config, losses, metrics, optimizers
+from mirrored.cluster_resolver import (
+    ClusterResolver,
+    TFConfigClusterResolver,
+    TorchrunClusterResolver,
+)
 from mirrored.context import (
     ReplicaContext,
     get_replica_context,
@@ -25,6 +30,11 @@ from mirrored.input import DistributedDataset, InputContext, ValueContext
 from mirrored.losses import compute_average_loss
 from mirrored.mirror import MirroredModule, MirroredOptimizer
 from mirrored.mirrored_strategy import MirroredStrategy
+from mirrored.multi_worker import (
+    CommunicationImplementation,
+    CommunicationOptions,
+    MultiWorkerMirroredStrategy,
+)
 from mirrored.rendezvous import ReplicaAbortedError, SyncMismatchError, SyncTimeoutError
 from mirrored.strategy import Strategy
 from mirrored.training import Model
@@ -33,6 +43,9 @@ from mirrored.values import PerReplica, ReduceOp
 __version__ = "0.1.0"
 
 __all__ = [
+    "ClusterResolver",
+    "CommunicationImplementation",
+    "CommunicationOptions",
     "CrossDeviceOps",
     "DistributedDataset",
     "HierarchicalCopyAllReduce",
@@ -41,6 +54,7 @@ __all__ = [
     "MirroredModule",
     "MirroredOptimizer",
     "MirroredStrategy",
+    "MultiWorkerMirroredStrategy",
     "NcclAllReduce",
     "PerReplica",
     "ReduceOp",
@@ -50,6 +64,8 @@ __all__ = [
     "Strategy",
     "SyncMismatchError",
     "SyncTimeoutError",
+    "TFConfigClusterResolver",
+    "TorchrunClusterResolver",
     "ValueContext",
     "callbacks",
     "checkpoint",

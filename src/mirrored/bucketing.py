@@ -31,16 +31,20 @@ def plan_buckets(
     dtypes: Sequence[torch.dtype],
     num_packs: int = 1,
     bytes_per_pack: int = 0,
+    first_pack_bytes: int = 0,
 ) -> tuple[Bucket, ...]:
     """Group tensors into buckets of one dtype each, keeping their order.
 
-    ``bytes_per_pack > 0``: fill buckets up to that many bytes (a larger tensor gets its own).
+    ``bytes_per_pack > 0``: fill buckets up to that many bytes (a larger tensor gets its own);
+    ``first_pack_bytes > 0`` caps the first bucket lower, so that an all-reduce started while
+    backward runs can begin early.
     Otherwise ``num_packs`` buckets per dtype of about equal size (TensorFlow's meaning);
     ``num_packs == 0`` means no packing, one bucket per tensor.
     """
-    if num_packs < 0 or bytes_per_pack < 0:
+    if num_packs < 0 or bytes_per_pack < 0 or first_pack_bytes < 0:
         raise ValueError(
-            f"num_packs={num_packs}, bytes_per_pack={bytes_per_pack}: both must be >= 0"
+            f"num_packs={num_packs}, bytes_per_pack={bytes_per_pack}, "
+            f"first_pack_bytes={first_pack_bytes}: all must be >= 0"
         )
     numels = [math.prod(shape) for shape in shapes]
     by_dtype: dict[torch.dtype, list[int]] = {}
@@ -55,7 +59,8 @@ def plan_buckets(
             size = 0
             for index in indices:
                 nbytes = numels[index] * itemsize
-                if current and size + nbytes > bytes_per_pack:
+                cap = first_pack_bytes if first_pack_bytes and not groups else bytes_per_pack
+                if current and size + nbytes > cap:
                     groups.append((dtype, current))
                     current, size = [], 0
                 current.append(index)

@@ -57,6 +57,11 @@ class ReplicaContext:
         self.global_batch_size = global_batch_size
 
     @property
+    def local_replica_id(self) -> int:
+        """This replica's index among the replicas of its own process (its worker)."""
+        return self.exchange.replica_id
+
+    @property
     def num_replicas_in_sync(self) -> int:
         """The number of replicas of the strategy running this replica."""
         return self.strategy.num_replicas_in_sync
@@ -83,17 +88,7 @@ class ReplicaContext:
         """Concatenate each tensor of a nested structure along ``axis`` across replicas,
         in replica order; shards may differ in size along ``axis``. Detached."""
         leaves = [torch.as_tensor(v).detach() for v in flatten(value)]
-        if self.num_replicas_in_sync == 1:
-            it = iter(leaves)
-            return map_structure(lambda _: next(it), value)
-        everyone = self.exchange.all("all_gather", leaves, cross_device=True)
-        gathered = [
-            torch.cat([peer[i].to(self.device) for peer in everyone], dim=axis)
-            for i in range(len(leaves))
-        ]
-        # Peers must not change their inputs before everyone has read them.
-        self.exchange.barrier("all_gather done", cross_device=True)
-        it = iter(gathered)
+        it = iter(self.strategy.all_gather_tensors(self, leaves, axis))
         return map_structure(lambda _: next(it), value)
 
     def merge_call(
@@ -108,7 +103,7 @@ class ReplicaContext:
         label = f"merge_call({getattr(merge_fn, '__qualname__', repr(merge_fn))})"
         everyone = self.exchange.all(label, (args, kwargs or {}))
         result = None
-        if self.replica_id_in_sync_group == 0:
+        if self.local_replica_id == 0:
             grouped_args, grouped_kwargs = regroup(everyone)
             try:
                 with _merge_scope():
@@ -117,7 +112,7 @@ class ReplicaContext:
                 self.exchange.rendezvous.abort(error)
                 raise
         result = self.exchange.all(label + " result", result)[0]
-        return select_replica(self.replica_id_in_sync_group, result)
+        return select_replica(self.local_replica_id, result)
 
 
 @contextmanager

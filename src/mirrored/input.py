@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -97,17 +97,28 @@ def _place(tensor: torch.Tensor, device: torch.device | None) -> torch.Tensor:
     return tensor if device is None else tensor.to(device, non_blocking=True)
 
 
-def split_batch(batch: Any, devices: Sequence[torch.device | None]) -> Any:
+def split_batch(
+    batch: Any,
+    devices: Sequence[torch.device | None],
+    first_shard: int = 0,
+    num_shards: int | None = None,
+) -> Any:
     """One global batch -> the same structure with ``PerReplicaShards`` leaves on ``devices``
-    (a None device leaves its shard where the batch is)."""
+    (a None device leaves its shard where the batch is).
+
+    Across workers the batch splits into ``num_shards`` (every replica of every worker) and this
+    process keeps shards ``first_shard ..`` for its own devices.
+    """
     batch = map_structure(_as_tensor, batch)
     global_batch_size = batch_size_of(batch)
-    sizes = shard_sizes(global_batch_size, len(devices))
+    all_sizes = shard_sizes(global_batch_size, num_shards or len(devices))
+    start = sum(all_sizes[:first_shard])
+    sizes = all_sizes[first_shard : first_shard + len(devices)]
 
     def split(leaf: Any) -> Any:
         if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0:
             return leaf
-        shards = torch.split(leaf, sizes)
+        shards = torch.split(leaf.narrow(0, start, sum(sizes)), sizes)
         return PerReplicaShards(
             [_place(s, d) for s, d in zip(shards, devices, strict=True)],
             global_batch_size,
@@ -116,13 +127,19 @@ def split_batch(batch: Any, devices: Sequence[torch.device | None]) -> Any:
     return map_structure(split, batch)
 
 
-def stack_replica_batches(batches: Sequence[Any], devices: Sequence[torch.device | None]) -> Any:
+def stack_replica_batches(
+    batches: Sequence[Any],
+    devices: Sequence[torch.device | None],
+    global_batch_size: int | None = None,
+) -> Any:
     """Per-replica batches (one per replica, missing ones at the end) -> PerReplicaShards leaves.
 
-    Replicas without a batch get empty shards shaped like the last batch's.
+    Replicas without a batch get empty shards shaped like the last batch's. ``global_batch_size``
+    defaults to the examples in ``batches`` (one process).
     """
     batches = [map_structure(_as_tensor, b) for b in batches]
-    global_batch_size = sum(batch_size_of(b) for b in batches)
+    if global_batch_size is None:
+        global_batch_size = sum(batch_size_of(b) for b in batches)
     last = batches[-1]
     padded = list(batches) + [
         map_structure(lambda t: t[:0] if isinstance(t, torch.Tensor) and t.dim() else t, last)
@@ -149,20 +166,43 @@ class DistributedDataset:
         return self._make_batches()
 
 
+class StepAgreement(Protocol):
+    """How the workers of a multi-process job agree on each step of their input."""
+
+    def batch(self, num_examples: int) -> int:
+        """This worker has a batch of ``num_examples`` for the next step; returns the global
+        batch size (raises if another worker's input ran out)."""
+
+    def end(self) -> None:
+        """This worker's input ran out; raises unless every worker's did."""
+
+
 def distribute_global_batches(
-    dataset: Iterable[Any], devices: Sequence[torch.device | None]
+    dataset: Iterable[Any],
+    devices: Sequence[torch.device | None],
+    first_shard: int = 0,
+    num_shards: int | None = None,
+    agreement: StepAgreement | None = None,
 ) -> DistributedDataset:
-    """Each global batch of ``dataset`` split into per-replica shards on ``devices``."""
+    """Each global batch of ``dataset`` split into per-replica shards on ``devices`` (this
+    worker's ``devices`` hold shards ``first_shard ..`` of ``num_shards``)."""
 
     def batches() -> Iterator[Any]:
         for batch in dataset:
-            yield split_batch(batch, devices)
+            shards = split_batch(batch, devices, first_shard, num_shards)
+            if agreement is not None:
+                agreement.batch(global_batch_size_of(shards) or 0)
+            yield shards
+        if agreement is not None:
+            agreement.end()
 
     return DistributedDataset(batches)
 
 
 def distribute_replica_batches(
-    datasets: Sequence[Iterable[Any]], devices: Sequence[torch.device | None]
+    datasets: Sequence[Iterable[Any]],
+    devices: Sequence[torch.device | None],
+    agreement: StepAgreement | None = None,
 ) -> DistributedDataset:
     """Input pipelines yielding per-replica batches; each step takes one batch per replica,
     dealt round-robin over the pipelines."""
@@ -178,7 +218,14 @@ def distribute_replica_batches(
                 except StopIteration:
                     exhausted = True
                     break
-            if step:
-                yield stack_replica_batches(step, devices)
+            if not step:
+                break
+            global_batch_size = None
+            if agreement is not None:
+                local = sum(batch_size_of(map_structure(_as_tensor, b)) for b in step)
+                global_batch_size = agreement.batch(local)
+            yield stack_replica_batches(step, devices, global_batch_size)
+        if agreement is not None:
+            agreement.end()
 
     return DistributedDataset(batches)

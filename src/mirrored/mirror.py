@@ -29,6 +29,7 @@ from mirrored.batch_norm import convert_sync_batch_norm, running_stat_buffers
 from mirrored.bucketing import PackedTensors
 from mirrored.context import ReplicaContext, current_replica_context
 from mirrored.cross_device_ops import HierarchicalCopyAllReduce
+from mirrored.gradient_reducer import OverlappedGradientReducer
 from mirrored.sharded_update import PER_PARAMETER_OPTIMIZERS, ShardedUpdate
 from mirrored.values import ReduceOp
 
@@ -97,7 +98,7 @@ class MirroredModule:
 
     def _current(self) -> nn.Module:
         replica = _replica_context_of(self._strategy)
-        return self.replicas[0 if replica is None else replica.replica_id_in_sync_group]
+        return self.replicas[0 if replica is None else replica.local_replica_id]
 
     def _in_replica(self) -> bool:
         return _replica_context_of(self._strategy) is not None
@@ -228,8 +229,11 @@ class MirroredOptimizer:
         # reduce and update each parameter once, on its owner (sharded_update.py).
         shared_memory = len({p[0].device for p in self._params if p}) == 1
         self._sharded: ShardedUpdate | None = None
+        # Across processes, gradients are reduced while backward runs (gradient_reducer.py).
+        self._reducer = strategy._gradient_reducer(params)
         if (
-            len(optimizers) > 1
+            self._reducer is None
+            and len(optimizers) > 1
             and shared_memory
             and isinstance(strategy.cross_device_ops, HierarchicalCopyAllReduce)
             and type(optimizers[0]) in PER_PARAMETER_OPTIMIZERS
@@ -279,7 +283,9 @@ class MirroredOptimizer:
         return torch._C.DisableTorchFunction() if self._plain_tensors else nullcontext()
 
     def _step(self, replica: ReplicaContext) -> Any:
-        replica_id = replica.replica_id_in_sync_group
+        if self._reducer is not None:
+            return self._step_reduced(replica, self._reducer)
+        replica_id = replica.local_replica_id
         optimizer = self.optimizers[replica_id]
         if replica.num_replicas_in_sync > 1:
             # Replica 0's hyperparameters as of this step (an LR schedule, a warm-up set inside
@@ -310,12 +316,34 @@ class MirroredOptimizer:
         replica.exchange.barrier("optimizer.step: parameters copied")
         return result
 
+    def _step_reduced(self, replica: ReplicaContext, reducer: OverlappedGradientReducer) -> Any:
+        """The step when backward already reduced the gradients (multi-worker)."""
+        replica_id = replica.local_replica_id
+        optimizer = self.optimizers[replica_id]
+        _check_dense(self._params[replica_id])
+        reducer.finish_pass(replica_id)  # a step with no backward: reduce what is there
+        if len(self.optimizers) > 1:
+            snapshot = None
+            if replica_id == 0:
+                snapshot = [
+                    {k: v for k, v in g.items() if k != "params"} for g in self.param_groups
+                ]
+            posted = replica.exchange.all("optimizer.step", snapshot)
+            if replica_id:
+                for group, values in zip(optimizer.param_groups, posted[0], strict=True):
+                    group.update(values)
+        if self._running_stats[replica_id]:
+            self._average_running_stats(replica)
+        result = optimizer.step()
+        reducer.end_step(replica_id)
+        return result
+
     def _all_reduce_gradients(
         self, replica: ReplicaContext, everyone: Sequence[Sequence[torch.Tensor | None]]
     ) -> None:
         """Bucketed all-reduce of the gradients any replica has (``everyone``: each replica's
         gradients as posted at the step's first sync point)."""
-        replica_id = replica.replica_id_in_sync_group
+        replica_id = replica.local_replica_id
         params = self._params[replica_id]
         grads = everyone[replica_id]
         reduced = tuple(
@@ -338,7 +366,7 @@ class MirroredOptimizer:
 
     def _average_running_stats(self, replica: ReplicaContext) -> None:
         """BatchNorm running statistics stay identical: their mean over replicas (TensorFlow)."""
-        buffers = self._running_stats[replica.replica_id_in_sync_group]
+        buffers = self._running_stats[replica.local_replica_id]
         averaged = replica.strategy.all_reduce_tensors(replica, ReduceOp.MEAN, buffers)
         with torch.no_grad():
             for buffer, value in zip(buffers, averaged, strict=True):
@@ -348,9 +376,7 @@ class MirroredOptimizer:
         """The current replica's gradients inside ``strategy.run``, every replica's outside."""
         replica = _replica_context_of(self._strategy)
         targets = (
-            self.optimizers
-            if replica is None
-            else [self.optimizers[replica.replica_id_in_sync_group]]
+            self.optimizers if replica is None else [self.optimizers[replica.local_replica_id]]
         )
         for optimizer in targets:
             optimizer.zero_grad(set_to_none=set_to_none)

@@ -34,6 +34,7 @@ from mirrored.replica_workers import Outcome
 from mirrored.values import PerReplica, ReduceOp, flatten, map_structure, regroup, select_replica
 
 if TYPE_CHECKING:
+    from mirrored.gradient_reducer import OverlappedGradientReducer
     from mirrored.mirror import MirroredModule, MirroredOptimizer
 
 __all__ = ["Strategy", "default_strategy"]
@@ -65,6 +66,9 @@ class Strategy:
         self.timeout_seconds = timeout_seconds
         self._replicated: weakref.WeakSet[Replicated] = weakref.WeakSet()
         self._run_lock = threading.Lock()
+        # Each local replica's context while a run is under way (None between runs): autograd
+        # hooks, which may run on autograd's device threads, find their step's exchange here.
+        self._active_contexts: list[context.ReplicaContext | None] = [None] * len(self.devices)
         self._physical_gpus = tuple(
             sorted({d.physical.index for d in self.devices if d.device_type == "GPU"})
         )
@@ -74,6 +78,11 @@ class Strategy:
     def num_replicas_in_sync(self) -> int:
         """The number of replicas a step runs on (global batch = this x per-replica batch)."""
         return len(self.devices)
+
+    @property
+    def _first_replica_id(self) -> int:
+        """The global id of this process's first replica (local replica i is this + i)."""
+        return 0
 
     @property
     def should_checkpoint(self) -> bool:
@@ -122,7 +131,7 @@ class Strategy:
             )
         kwargs = kwargs or {}
         global_batch_size = global_batch_size_of((tuple(args), kwargs))
-        rendezvous = Rendezvous(self.num_replicas_in_sync, self.timeout_seconds)
+        rendezvous = Rendezvous(len(self.devices), self.timeout_seconds)
         tasks = [
             functools.partial(
                 self._run_replica,
@@ -133,7 +142,7 @@ class Strategy:
                 select_replica(replica_id, kwargs),
                 global_batch_size,
             )
-            for replica_id in range(self.num_replicas_in_sync)
+            for replica_id in range(len(self.devices))
         ]
         # One run at a time, from any number of caller threads: a failed run's resync must not
         # touch the replicas of another caller's run.
@@ -187,7 +196,10 @@ class Strategy:
         exchange = ReplicaExchange(
             rendezvous, replica_id, self.devices[replica_id].torch_device, self._physical_gpus
         )
-        replica = context.ReplicaContext(self, replica_id, exchange, global_batch_size)
+        replica = context.ReplicaContext(
+            self, self._first_replica_id + replica_id, exchange, global_batch_size
+        )
+        self._active_contexts[replica_id] = replica
         try:
             with context.replica_scope(replica), self._replica_scope(replica_id):
                 for leaf in flatten((args, kwargs)):
@@ -200,7 +212,12 @@ class Strategy:
             rendezvous.abort(error)
             raise
         finally:
+            self._active_contexts[replica_id] = None
             rendezvous.finish(replica_id)
+
+    def _active_replica(self, local_replica_id: int) -> context.ReplicaContext | None:
+        """The context of a local replica inside the current run (None outside one)."""
+        return self._active_contexts[local_replica_id]
 
     def _root_error(
         self, failures: list[tuple[int, BaseException]], rendezvous: Rendezvous
@@ -213,8 +230,8 @@ class Strategy:
         # The replica that failed first is the one whose error aborted the rendezvous.
         replica_id, error = next(((i, e) for i, e in real if e is rendezvous.abort_reason), real[0])
         note = (
-            f"raised in replica {replica_id} of {self.num_replicas_in_sync} "
-            f"(device {self.devices[replica_id].short_name})"
+            f"raised in replica {self._first_replica_id + replica_id} of "
+            f"{self.num_replicas_in_sync} (device {self.devices[replica_id].short_name})"
         )
         _add_note(error, note)
         return error
@@ -250,11 +267,31 @@ class Strategy:
         packed = PackedTensors(plan, [t.shape for t in tensors], replica.device)
         packed.pack(tensors)
         for buffer in packed.buffers:
-            self.cross_device_ops.all_reduce(replica.exchange, buffer)
+            self._all_reduce_buffer(replica.exchange, buffer)
         reduced = packed.unpacked()
         if reduce_op is ReduceOp.MEAN:  # out of place: the mean of integer counts is a float
             return [t / self.num_replicas_in_sync for t in reduced]
         return reduced
+
+    def all_gather_tensors(
+        self, replica: context.ReplicaContext, tensors: Sequence[torch.Tensor], axis: int
+    ) -> list[torch.Tensor]:
+        """Collective: each tensor concatenated along ``axis`` over the replicas, in replica
+        order, on this replica's device (sizes along ``axis`` may differ)."""
+        if len(self.devices) == 1:
+            return list(tensors)
+        everyone = replica.exchange.all("all_gather", list(tensors), cross_device=True)
+        gathered = [
+            torch.cat([peer[i].to(replica.device) for peer in everyone], dim=axis)
+            for i in range(len(tensors))
+        ]
+        # Peers must not change their inputs before everyone has read them.
+        replica.exchange.barrier("all_gather done", cross_device=True)
+        return gathered
+
+    def _all_reduce_buffer(self, exchange: ReplicaExchange, flat: torch.Tensor) -> None:
+        """Collective: sum one flat bucket over every replica, in place."""
+        self.cross_device_ops.all_reduce(exchange, flat)
 
     # -- combining results ------------------------------------------------------------------------
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
@@ -264,7 +301,7 @@ class Strategy:
             return value.values
         if not any(isinstance(leaf, PerReplica) for leaf in flatten(value)):
             return (value,)
-        return tuple(select_replica(i, value) for i in range(self.num_replicas_in_sync))
+        return tuple(select_replica(i, value) for i in range(len(self.devices)))
 
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
         """Combine a PerReplica (or nested structure of them) across replicas (detached).
@@ -279,9 +316,7 @@ class Strategy:
     def _reduce_leaf(self, op: ReduceOp, value: Any, axis: int | None) -> torch.Tensor:
         # A plain value is the same on every replica (run() unwraps identical results), as a
         # mirrored value is in TensorFlow: SUM counts it once per replica.
-        parts = (
-            value.values if isinstance(value, PerReplica) else (value,) * self.num_replicas_in_sync
-        )
+        parts = value.values if isinstance(value, PerReplica) else (value,) * len(self.devices)
         tensors = [torch.as_tensor(p).detach() for p in parts]
         destination = self.devices[0].torch_device
         if axis is None:
@@ -327,10 +362,13 @@ class Strategy:
     ) -> Any:
         """A PerReplica of ``value_fn(ValueContext(replica_id, n))``, tensors on each device."""
         values = [
-            _to_device(value_fn(ValueContext(replica_id, self.num_replicas_in_sync)), device)
-            for replica_id, device in enumerate(self._input_devices)
+            _to_device(
+                value_fn(ValueContext(self._first_replica_id + i, self.num_replicas_in_sync)),
+                device,
+            )
+            for i, device in enumerate(self._input_devices)
         ]
-        return regroup(values) if self.num_replicas_in_sync > 1 else PerReplica(values)
+        return regroup(values) if len(values) > 1 else PerReplica(values)
 
     # -- models -----------------------------------------------------------------------------------
     @overload
@@ -356,6 +394,13 @@ class Strategy:
         from mirrored.mirror import mirror_module
 
         return mirror_module(self, module, optimizer, sync_batch_norm=sync_batch_norm)
+
+    def _gradient_reducer(
+        self, params: Sequence[Sequence[torch.nn.Parameter]]
+    ) -> OverlappedGradientReducer | None:
+        """What reduces the gradients of a mirrored optimizer's ``params`` (each local replica's)
+        during backward; None: ``optimizer.step()`` all-reduces them (one process)."""
+        return None
 
     # -- lifetime ---------------------------------------------------------------------------------
     def close(self) -> None:

@@ -148,7 +148,7 @@ class Steps:
     ) -> tuple[torch.Tensor, LossScale]:
         """Train on ``batches`` (this replica's shards), one update each."""
         replica = get_replica_context()
-        first_replica = replica is None or replica.replica_id_in_sync_group == 0
+        first_replica = replica is None or replica.local_replica_id == 0
         total: torch.Tensor | None = None
         for offset, (batch, global_batch_size) in enumerate(
             zip(batches, global_batch_sizes, strict=True)

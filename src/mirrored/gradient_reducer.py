@@ -1,0 +1,266 @@
+"""All-reducing gradients across workers while backward still runs.
+
+Across processes a step's communication costs far more than within one, so the multi-worker
+strategy starts it during backward, as DistributedDataParallel does: gradients are packed into
+buckets in the order backward produces them (last layer first, a small first bucket), and a
+bucket's all-reduce starts as soon as every local replica has packed it. Buckets start in the
+same fixed order on every worker (bucket ``i`` only after bucket ``i-1``), so the workers' c10d
+collectives always pair up. With several local replicas a bucket is summed over them first, in
+replica order, and one all-reduce per bucket crosses processes (hierarchical all-reduce).
+
+When a replica's backward ends (autograd's final callback) the sums are waited for and become the
+parameters' gradients: after ``loss.backward()`` every replica holds the gradient of the whole
+global batch, so clipping or unscaling before ``optimizer.step()`` sees the reduced values.
+
+Exactness beyond one backward per step, without DDP's restrictions:
+
+- each bucket carries, per parameter, the number of replicas that produced a gradient for it,
+  so a parameter no replica used keeps ``grad=None`` (as on one device) and one used anywhere
+  gets the sum;
+- a second backward before ``optimizer.step()`` (gradient accumulation, a GAN's two losses, not
+  zeroing gradients) contributes only its new gradient: the hook sends it and hands autograd a
+  zero to accumulate, and the reduced sum is added to the gradient already there;
+- gradients assigned by hand (``torch.autograd.grad``) with no backward in the step are reduced
+  at ``optimizer.step()``.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from mirrored.bucketing import plan_buckets
+
+if TYPE_CHECKING:
+    from mirrored.strategy import Strategy
+    from mirrored.worker_group import PendingCollective, WorkerGroup
+
+__all__ = ["OverlappedGradientReducer"]
+
+# The reducer that owns each parameter's hooks: mirroring a module again (a second compile())
+# hands its parameters to a new reducer, and the old one must stop reducing them.
+_OWNER: weakref.WeakKeyDictionary[nn.Parameter, OverlappedGradientReducer] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+class OverlappedGradientReducer:
+    """The gradients of one mirrored optimizer's parameters, reduced over all replicas of all
+    workers as backward produces them.
+
+    Args:
+        strategy: the multi-worker strategy (its active replica contexts give each hook the
+            current step's exchange).
+        params: each local replica's trainable parameters, in the same order.
+        group: the workers' process group.
+        bytes_per_pack: bucket size in bytes; ``first_pack_bytes`` caps the first bucket.
+    """
+
+    def __init__(
+        self,
+        strategy: Strategy,
+        params: Sequence[Sequence[nn.Parameter]],
+        group: WorkerGroup,
+        bytes_per_pack: int,
+        first_pack_bytes: int,
+    ) -> None:
+        self._strategy = strategy
+        self._group = group
+        self._params = [list(p) for p in params]
+        num_local = len(self._params)
+        first = self._params[0]
+        order = list(reversed(range(len(first))))  # backward reaches the last layers first
+        plan = plan_buckets(
+            [first[i].shape for i in order],
+            [first[i].dtype for i in order],
+            1,
+            bytes_per_pack,
+            first_pack_bytes,
+        )
+        self._buckets = [tuple(order[j] for j in bucket.indices) for bucket in plan]
+        self._numels = [bucket.numel for bucket in plan]
+        self._bucket_of = [(0, 0)] * len(first)
+        for b, members in enumerate(self._buckets):
+            for slot, index in enumerate(members):
+                self._bucket_of[index] = (b, slot)
+        # Per replica and bucket: the gradients end to end, then one count per parameter.
+        self._buffers = [
+            [
+                torch.zeros(numel + len(members), dtype=bucket.dtype, device=replica[0].device)
+                for bucket, numel, members in zip(plan, self._numels, self._buckets, strict=True)
+            ]
+            for replica in self._params
+        ]
+        self._views: list[list[torch.Tensor]] = []
+        for buffers in self._buffers:
+            views: list[torch.Tensor] = [torch.empty(0)] * len(first)
+            for bucket, buffer in zip(plan, buffers, strict=True):
+                for j, offset in zip(bucket.indices, bucket.offsets, strict=True):
+                    index = order[j]
+                    views[index] = buffer[offset : offset + first[index].numel()].view(
+                        first[index].shape
+                    )
+            self._views.append(views)
+        self._zeros = [torch.zeros((), dtype=p.dtype, device=p.device) for p in first]
+        self._cuda = any(p.is_cuda for replica in self._params for p in replica[:1])
+        # Per replica, for the current backward pass.
+        self._in_pass = [False] * num_local
+        self._fired = [[False] * len(first) for _ in range(num_local)]
+        self._fresh = [[False] * len(first) for _ in range(num_local)]
+        self._left = [[len(m) for m in self._buckets] for _ in range(num_local)]
+        self._passes = [0] * num_local  # backward passes since the last optimizer.step()
+        self._events: list[list[Any]] = [[None] * len(self._buckets) for _ in range(num_local)]
+        # Shared by the local replicas, for the current pass.
+        self._lock = threading.Lock()
+        self._packed = [0] * len(self._buckets)
+        self._next_launch = 0
+        self._pending: list[PendingCollective | None] = [None] * len(self._buckets)
+        self._handles: list[Any] = []
+        self._hooked = [[False] * len(first) for _ in range(num_local)]
+        for r, replica in enumerate(self._params):
+            for i, param in enumerate(replica):
+                previous = _OWNER.get(param)
+                if previous is not None and previous is not self:
+                    previous.remove_hooks()
+                _OWNER[param] = self
+                self._hook(r, i)
+
+    def _hook(self, r: int, i: int) -> None:
+        """Watch parameter ``i`` of replica ``r`` (only possible while it requires grad)."""
+        param = self._params[r][i]
+        if param.requires_grad and not self._hooked[r][i]:
+            self._handles.append(param.register_hook(functools.partial(self._on_grad, r, i)))
+            self._hooked[r][i] = True
+
+    def remove_hooks(self) -> None:
+        """Stop reducing (the parameters were mirrored again, with a new optimizer)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    # -- during backward --------------------------------------------------------------------------
+    def _on_grad(self, r: int, i: int, grad: torch.Tensor) -> torch.Tensor | None:
+        if self._strategy._active_replica(r) is None:
+            return None  # backward outside strategy.run: nothing to reduce
+        if not self._in_pass[r]:
+            self._in_pass[r] = True
+            torch.autograd.Variable._execution_engine.queue_callback(
+                functools.partial(self.finish_pass, r)
+            )
+        param = self._params[r][i]
+        fresh = param.grad is None
+        if param.grad is not None and self._aliases_buffer(r, param.grad):
+            param.grad = param.grad.clone()  # the buffer is about to carry this pass's gradient
+        self._views[r][i].copy_(grad)
+        self._fired[r][i] = True
+        self._fresh[r][i] = fresh
+        self._param_packed(r, i)
+        # A gradient already there stays as it is; the reduced sum is added at the pass's end.
+        return None if fresh else self._zeros[i].expand_as(grad)
+
+    def _aliases_buffer(self, r: int, grad: torch.Tensor) -> bool:
+        pointer = grad.data_ptr()
+        return any(
+            b.data_ptr() <= pointer < b.data_ptr() + b.numel() * b.element_size()
+            for b in self._buffers[r]
+        )
+
+    def _param_packed(self, r: int, i: int) -> None:
+        b, _ = self._bucket_of[i]
+        self._left[r][b] -= 1
+        if self._left[r][b]:
+            return
+        self._write_counts(r, b)
+        if self._cuda:
+            event = torch.cuda.Event()
+            event.record()
+            self._events[r][b] = event
+        with self._lock:
+            self._packed[b] += 1
+            while self._next_launch < len(self._buckets) and self._packed[self._next_launch] == len(
+                self._params
+            ):
+                self._launch(self._next_launch)
+                self._next_launch += 1
+
+    def _write_counts(self, r: int, b: int) -> None:
+        counts = [1.0 if self._fired[r][j] else 0.0 for j in self._buckets[b]]
+        self._buffers[r][b][self._numels[b] :].copy_(torch.tensor(counts))
+
+    def _launch(self, b: int) -> None:
+        """Sum bucket ``b`` over the local replicas (in replica order) and start its all-reduce."""
+        total = self._buffers[0][b]
+        if self._cuda:
+            for events in self._events:
+                if events[b] is not None:
+                    torch.cuda.current_stream(total.device).wait_event(events[b])
+        for buffers in self._buffers[1:]:
+            total.add_(buffers[b].to(total.device, non_blocking=True))
+        label = f"gradients: bucket {b + 1} of {len(self._buckets)}"
+        self._pending[b] = self._group.all_reduce_async(total, label)
+
+    # -- the end of a pass ------------------------------------------------------------------------
+    def finish_pass(self, r: int) -> None:
+        """Replica ``r``'s backward is over (or ``optimizer.step()`` came without one): pack
+        what it did not produce, wait for every bucket, and make the sums its gradients."""
+        replica = self._strategy._active_replica(r)
+        if replica is None:
+            return
+        manual = not self._in_pass[r] and self._passes[r] == 0
+        if not self._in_pass[r] and not manual:
+            return  # this step's gradients are already reduced
+        self._in_pass[r] = True
+        for i, fired in enumerate(self._fired[r]):
+            if fired:
+                continue
+            param = self._params[r][i]
+            # Assigned by hand with no backward in this step, or produced by a backward the
+            # parameter was frozen for when mirrored (it is watched from now on): reduce it now.
+            if param.grad is not None and (manual or not self._hooked[r][i]):
+                self._views[r][i].copy_(param.grad)
+                self._fired[r][i] = self._fresh[r][i] = True
+                self._hook(r, i)
+            else:
+                self._views[r][i].zero_()
+            self._param_packed(r, i)
+        exchange = replica.exchange
+        # Every local replica has packed every bucket, so every all-reduce has started.
+        exchange.barrier("gradients packed", cross_device=True)
+        if r == 0:
+            pending, self._pending = self._pending, [None] * len(self._buckets)
+            self._packed = [0] * len(self._buckets)
+            self._next_launch = 0
+            for collective in pending:
+                if collective is not None:
+                    collective.wait()
+        exchange.barrier("gradients reduced", cross_device=True)
+        for b, members in enumerate(self._buckets):
+            buffer = self._buffers[r][b]
+            if r:
+                buffer.copy_(self._buffers[0][b], non_blocking=True)
+            counts = buffer[self._numels[b] :].tolist()
+            for index, count in zip(members, counts, strict=True):
+                if not count:
+                    continue  # no replica anywhere has a gradient for it: it stays None
+                param, view = self._params[r][index], self._views[r][index]
+                if self._fresh[r][index] or param.grad is None:
+                    param.grad = view
+                else:
+                    param.grad.add_(view)
+        # The leader's buffers must not be refilled before every replica has read them.
+        exchange.barrier("gradients unpacked", cross_device=True)
+        self._in_pass[r] = False
+        self._fired[r] = [False] * len(self._fired[r])
+        self._fresh[r] = [False] * len(self._fresh[r])
+        self._left[r] = [len(m) for m in self._buckets]
+        self._passes[r] += 1
+
+    def end_step(self, r: int) -> None:
+        """After ``optimizer.step()`` on replica ``r``: the next step starts counting passes."""
+        self._passes[r] = 0

@@ -1,0 +1,393 @@
+"""MultiWorkerMirroredStrategy: MirroredStrategy in every process, kept in sync across processes.
+
+Inside a process the replicas are exactly MirroredStrategy's (threads, logical devices). Across
+processes every collective is hierarchical: summed over the local replicas, one
+``torch.distributed`` all-reduce per bucket between the workers (gloo on CPU, NCCL where every
+device is CUDA), then shared with the local replicas again. Gradients go while backward still runs
+(:mod:`mirrored.gradient_reducer`). The cluster comes from ``TF_CONFIG`` or torchrun's
+environment (:mod:`mirrored.cluster_resolver`); the processes' collectives name the missing
+worker when one dies or hangs (:mod:`mirrored.worker_group`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from mirrored.cluster_resolver import ClusterResolver, resolve_cluster
+from mirrored.config import DeviceSpec, LogicalDevice
+from mirrored.context import ReplicaContext
+from mirrored.gradient_reducer import OverlappedGradientReducer
+from mirrored.input import (
+    DistributedDataset,
+    InputContext,
+    distribute_global_batches,
+    distribute_replica_batches,
+)
+from mirrored.mirror import MirroredModule, MirroredOptimizer, _tensors_of
+from mirrored.mirrored_strategy import MirroredStrategy
+from mirrored.rendezvous import ReplicaExchange
+from mirrored.values import PerReplica, ReduceOp, map_structure
+from mirrored.worker_group import PendingCollective, WorkerGroup
+
+__all__ = ["CommunicationImplementation", "CommunicationOptions", "MultiWorkerMirroredStrategy"]
+
+# DistributedDataParallel's bucket sizes: a 1 MiB first bucket starts communication early in
+# backward, 25 MiB buckets after it keep the number of collectives low.
+_FIRST_PACK_BYTES = 1 << 20
+_BYTES_PER_PACK = 25 << 20
+_DEFAULT_TIMEOUT_SECONDS = 1800.0
+
+
+class CommunicationImplementation(enum.Enum):
+    """The cross-process collective library (TensorFlow's names)."""
+
+    AUTO = "AUTO"  # NCCL where every device of every worker is CUDA, else gloo (RING)
+    RING = "RING"  # gloo's ring all-reduce, on any device
+    NCCL = "NCCL"  # NCCL, CUDA devices only
+
+
+@dataclasses.dataclass(frozen=True)
+class CommunicationOptions:
+    """How workers communicate (TensorFlow's ``tf.distribute.experimental.CommunicationOptions``).
+
+    Args:
+        bytes_per_pack: gradient bucket size in bytes; 0 chooses (a 1 MiB first bucket, then
+            25 MiB).
+        timeout_seconds: how long any collective waits for the other workers before failing
+            with an error naming the missing one; None: 30 minutes (never forever).
+        implementation: ``CommunicationImplementation``.
+    """
+
+    bytes_per_pack: int = 0
+    timeout_seconds: float | None = None
+    implementation: CommunicationImplementation = CommunicationImplementation.AUTO
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.bytes_per_pack, int) or self.bytes_per_pack < 0:
+            raise ValueError(
+                f"bytes_per_pack={self.bytes_per_pack!r}: expected an int >= 0 (0: automatic)"
+            )
+        if self.timeout_seconds is not None and not self.timeout_seconds > 0:
+            raise ValueError(
+                f"timeout_seconds={self.timeout_seconds!r}: expected a positive number or None"
+            )
+        if not isinstance(self.implementation, CommunicationImplementation):
+            raise TypeError(
+                f"implementation={self.implementation!r}: expected a "
+                "mirrored.CommunicationImplementation (AUTO, RING or NCCL)"
+            )
+
+
+def _backend(implementation: CommunicationImplementation, devices: Sequence[LogicalDevice]) -> str:
+    all_cuda = all(d.device_type == "GPU" for d in devices)
+    if implementation is CommunicationImplementation.NCCL:
+        if not all_cuda or not torch.distributed.is_nccl_available():
+            raise ValueError(
+                f"CommunicationImplementation.NCCL needs CUDA devices and a CUDA build of torch; "
+                f"this worker's devices are {[d.short_name for d in devices]}: use "
+                "CommunicationImplementation.RING (gloo) or AUTO"
+            )
+        return "nccl"
+    if implementation is CommunicationImplementation.AUTO and all_cuda:
+        return "nccl" if torch.distributed.is_nccl_available() else "gloo"
+    return "gloo"
+
+
+class MultiWorkerMirroredStrategy(MirroredStrategy):
+    """Synchronous data parallelism over the devices of several processes (workers).
+
+    Run the same program in every worker: under ``mirrored launch``/torchrun, or with a
+    ``TF_CONFIG`` per process. ``num_replicas_in_sync`` counts every replica of every worker;
+    each global batch is split over all of them, and every replica ends each step with the same
+    parameters. Initial parameters and buffers come from the chief (rank 0); only the chief
+    writes checkpoints (``should_checkpoint``).
+
+    Args:
+        communication_options: ``CommunicationOptions`` (bucket size, timeout, gloo/NCCL).
+        cluster_resolver: who this worker is; by default from torchrun's environment, else
+            ``TF_CONFIG``, else a single local worker.
+        devices: this worker's devices, as for MirroredStrategy (default: its GPUs, else its
+            logical CPU devices).
+    """
+
+    def __init__(
+        self,
+        communication_options: CommunicationOptions | None = None,
+        cluster_resolver: ClusterResolver | None = None,
+        devices: Sequence[DeviceSpec | LogicalDevice] | None = None,
+    ) -> None:
+        options = communication_options or CommunicationOptions()
+        if not isinstance(options, CommunicationOptions):
+            raise TypeError(
+                f"communication_options={options!r}: expected a mirrored.CommunicationOptions"
+            )
+        if cluster_resolver is not None and not isinstance(cluster_resolver, ClusterResolver):
+            raise TypeError(
+                f"cluster_resolver={cluster_resolver!r}: expected a mirrored cluster resolver "
+                "(TFConfigClusterResolver or TorchrunClusterResolver)"
+            )
+        resolver = cluster_resolver or resolve_cluster()
+        timeout = options.timeout_seconds or _DEFAULT_TIMEOUT_SECONDS
+        super().__init__(devices, timeout_seconds=timeout)
+        self.communication_options = options
+        self.cluster_resolver = resolver
+        try:
+            backend = _backend(options.implementation, self.devices)
+            self._group = WorkerGroup(resolver, backend, timeout)
+        except BaseException:
+            super().close()
+            raise
+        self._close_group = weakref.finalize(self, self._group.close)
+        layout = self._group.all_gather_json(
+            [d.short_name for d in self.devices], "strategy: devices of every worker"
+        )
+        self._replicas_per_worker = [len(names) for names in layout]
+        self._offset = sum(self._replicas_per_worker[: self._group.rank])
+        # Per-replica random streams are keyed by the global replica id.
+        for local, randomness in enumerate(self._randomness):
+            randomness.replica_id = self._offset + local
+
+    # -- identity ---------------------------------------------------------------------------------
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return sum(self._replicas_per_worker)
+
+    @property
+    def _first_replica_id(self) -> int:
+        return self._offset
+
+    @property
+    def worker_group(self) -> WorkerGroup:
+        """This worker's rank, the world size and the cross-process collectives."""
+        return self._group
+
+    @property
+    def should_checkpoint(self) -> bool:
+        """Only the chief (rank 0) writes checkpoints, logs and summaries."""
+        return self._group.is_chief
+
+    def __repr__(self) -> str:
+        names = [d.short_name for d in self.devices]
+        return (
+            f"MultiWorkerMirroredStrategy(worker {self._group.rank} of {self._group.world_size}, "
+            f"devices={names}, {self._group.backend})"
+        )
+
+    # -- collectives ------------------------------------------------------------------------------
+    def _all_reduce_buffer(self, exchange: ReplicaExchange, flat: torch.Tensor) -> None:
+        """Local all-reduce, one cross-process all-reduce by the first replica, shared back."""
+        super()._all_reduce_buffer(exchange, flat)
+        if exchange.replica_id == 0:
+            self._group.all_reduce(flat, "all_reduce")
+        if exchange.num_replicas > 1:
+            first = exchange.all("all_reduce: across workers", flat, cross_device=True)[0]
+            if exchange.replica_id:
+                flat.copy_(first, non_blocking=True)
+            exchange.barrier("all_reduce: across workers done", cross_device=True)
+
+    def all_gather_tensors(
+        self, replica: ReplicaContext, tensors: Sequence[torch.Tensor], axis: int
+    ) -> list[torch.Tensor]:
+        local = super().all_gather_tensors(replica, tensors, axis)
+        gathered = None
+        if replica.local_replica_id == 0:
+            gathered = [self._gather_across_workers(t, axis) for t in local]
+        if len(self.devices) == 1:
+            assert gathered is not None
+            return gathered
+        first = replica.exchange.all("all_gather: across workers", gathered, cross_device=True)[0]
+        result = [t.to(replica.device) for t in first]
+        replica.exchange.barrier("all_gather: across workers done", cross_device=True)
+        return result
+
+    def _gather_across_workers(self, tensor: torch.Tensor, axis: int) -> torch.Tensor:
+        """Every worker's ``tensor`` concatenated along ``axis`` (sizes along it may differ)."""
+        moved = tensor.movedim(axis, 0).contiguous()
+        length = torch.tensor([moved.shape[0]], dtype=torch.int64, device=moved.device)
+        lengths = [int(n.item()) for n in self._group.all_gather(length, "gather: lengths")]
+        padded = moved.new_zeros((max(lengths), *moved.shape[1:]))
+        padded[: moved.shape[0]] = moved
+        parts = self._group.all_gather(padded, "gather")
+        whole = torch.cat([p[:n] for p, n in zip(parts, lengths, strict=True)])
+        return whole.movedim(0, axis)
+
+    def _reduce_leaf(self, op: ReduceOp, value: Any, axis: int | None) -> torch.Tensor:
+        total = super()._reduce_leaf(ReduceOp.SUM, value, axis).clone()
+        self._group.all_reduce(total, "reduce")
+        if op is not ReduceOp.MEAN:
+            return total
+        if axis is None:
+            return total / self.num_replicas_in_sync
+        parts = value.values if isinstance(value, PerReplica) else (value,) * len(self.devices)
+        count = torch.tensor(
+            [float(sum(torch.as_tensor(p).shape[axis] for p in parts))], device=total.device
+        )
+        self._group.all_reduce(count, "reduce: lengths")
+        return total / count
+
+    def gather(self, value: Any, axis: int) -> Any:
+        local = super().gather(value, axis)
+        return map_structure(lambda t: self._gather_across_workers(t, axis), local)
+
+    # -- input ------------------------------------------------------------------------------------
+    def experimental_distribute_dataset(self, dataset: Iterable[Any]) -> DistributedDataset:
+        """Iterate the same global batches in every worker; each keeps its replicas' shards."""
+        return distribute_global_batches(
+            dataset,
+            self._input_devices,
+            self._offset,
+            self.num_replicas_in_sync,
+            _StepAgreement(self._group, wait_for_global_size=False),
+        )
+
+    def distribute_datasets_from_function(
+        self, dataset_fn: Callable[[InputContext], Iterable[Any]]
+    ) -> DistributedDataset:
+        """``dataset_fn`` runs once per worker with its ``InputContext`` (pipeline id = rank) and
+        yields per-replica batches; the global batch size of each step is agreed across workers."""
+        input_context = InputContext(
+            self._group.world_size, self._group.rank, self.num_replicas_in_sync
+        )
+        return distribute_replica_batches(
+            [dataset_fn(input_context)],
+            self._input_devices,
+            _StepAgreement(self._group, wait_for_global_size=True),
+        )
+
+    # -- models -----------------------------------------------------------------------------------
+    def mirror(  # type: ignore[override]
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        sync_batch_norm: bool = False,
+    ) -> MirroredModule | tuple[MirroredModule, MirroredOptimizer]:
+        """As MirroredStrategy's, after checking that every worker built the same model and
+        giving every worker the chief's parameters and buffers."""
+        if isinstance(module, nn.Module) and not isinstance(module, MirroredModule):
+            self._check_same_model(module)
+            self._broadcast_from_chief(module)
+        return super().mirror(module, optimizer, sync_batch_norm=sync_batch_norm)
+
+    def _check_same_model(self, module: nn.Module) -> None:
+        names = [n for n, _ in module.named_parameters(remove_duplicate=False)] + [
+            n for n, _ in module.named_buffers(remove_duplicate=False)
+        ]
+        tensors = _tensors_of(module)
+        mine = [[n, list(t.shape), str(t.dtype)] for n, t in zip(names, tensors, strict=True)]
+        everyone = self._group.all_gather_json(mine, "mirror: model signatures")
+        for rank, theirs in enumerate(everyone):
+            if theirs == everyone[0]:
+                continue
+            difference = next(
+                (f"{a} vs {b}" for a, b in zip(everyone[0], theirs, strict=False) if a != b),
+                f"{len(everyone[0])} vs {len(theirs)} tensors",
+            )
+            raise ValueError(
+                f"worker {rank} built a different model than worker 0 (first difference, worker "
+                f"0 vs worker {rank}: {difference}); every worker must build the same model"
+            )
+
+    def _broadcast_from_chief(self, module: nn.Module) -> None:
+        with torch.no_grad():
+            for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+                if tensor.numel():
+                    self._group.broadcast(tensor.data, f"mirror: {name} from the chief")
+
+    def _gradient_reducer(
+        self, params: Sequence[Sequence[nn.Parameter]]
+    ) -> OverlappedGradientReducer:
+        bytes_per_pack = self.communication_options.bytes_per_pack
+        return OverlappedGradientReducer(
+            self,
+            params,
+            self._group,
+            bytes_per_pack or _BYTES_PER_PACK,
+            0 if bytes_per_pack else _FIRST_PACK_BYTES,
+        )
+
+    # -- lifetime ---------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the replica threads and leave the process group; idempotent."""
+        super().close()
+        self._close_group()
+
+
+class _StepAgreement:
+    """Checks that every worker's input yields the same number of steps.
+
+    For a global dataset (every worker sees the whole batch) the check of step ``k`` runs in the
+    background and is read at step ``k+1``, so it costs no wait; per-worker pipelines must agree
+    on the global batch size before each step, so there the check waits.
+    """
+
+    def __init__(self, group: WorkerGroup, wait_for_global_size: bool) -> None:
+        self._group = group
+        self._wait = wait_for_global_size
+        self._pending: deque[tuple[list[torch.Tensor], PendingCollective]] = deque()
+        self._steps = 0
+        group.add_explainer(self._explain)
+
+    def batch(self, num_examples: int) -> int:
+        self._start(num_examples, has_batch=True)
+        if self._wait:
+            return sum(int(p[1].item()) for p in self._settle())
+        self._check_all_but_last()
+        return num_examples
+
+    def end(self) -> None:
+        self._start(0, has_batch=False)
+        self._settle()
+
+    def _start(self, num_examples: int, has_batch: bool) -> None:
+        self._steps += has_batch
+        mine = torch.tensor([int(has_batch), num_examples], dtype=torch.int64)
+        self._pending.append(self._group.all_gather_async(mine, "input: next batch"))
+
+    def _check_all_but_last(self) -> None:
+        while len(self._pending) > 1:
+            parts, pending = self._pending.popleft()
+            pending.wait()
+            self._raise_if_uneven(parts)
+
+    def _settle(self) -> list[torch.Tensor]:
+        parts: list[torch.Tensor] = []
+        while self._pending:
+            parts, pending = self._pending.popleft()
+            pending.wait()
+            self._raise_if_uneven(parts)
+        return parts
+
+    def _raise_if_uneven(self, parts: list[torch.Tensor]) -> None:
+        message = self._uneven(parts)
+        if message:
+            raise ValueError(message)
+
+    def _uneven(self, parts: list[torch.Tensor]) -> str | None:
+        has = [int(p[0].item()) for p in parts]
+        if len(set(has)) == 1:
+            return None
+        done = [rank for rank, h in enumerate(has) if not h]
+        more = [rank for rank, h in enumerate(has) if h]
+        return (
+            f"the input of worker(s) {done} ran out while worker(s) {more} still had batches "
+            f"(at step {self._steps}): every worker's dataset must yield the same number of "
+            "steps (shard the data evenly, or repeat it and set steps_per_epoch)"
+        )
+
+    def _explain(self) -> str | None:
+        """For a failed collective: whether a finished check shows uneven input."""
+        for parts, pending in self._pending:
+            if pending.done():
+                message = self._uneven(parts)
+                if message:
+                    return message
+        return None

@@ -1,0 +1,337 @@
+"""The processes of a multi-worker job as one ``torch.distributed`` process group that cannot hang.
+
+Every cross-process collective of ``mirrored`` goes through a ``WorkerGroup``. It adds what c10d
+leaves to the user:
+
+- **Failures name the rank.** Each worker publishes its position (the collective it is in) on the
+  rendezvous store from a heartbeat thread. When a collective fails (a peer's connection closed)
+  or times out (a peer never came), the group reads every worker's position and heartbeat and
+  raises ``WorkerLostError`` or ``SyncTimeoutError`` naming the workers that are missing, where
+  they are and where this one waits.
+- **A failed collective breaks the group for good.** After one, the workers' sequences of
+  collectives no longer line up, so every later call raises at once instead of pairing the wrong
+  messages: the job must restart (under ``mirrored launch --max-restarts``, with BackupAndRestore
+  it resumes exactly).
+- **Nothing from a peer is unpickled.** Metadata (model signatures, device counts) travels as
+  UTF-8 JSON in byte tensors.
+- **Loopback by default.** The store listens only on the rendezvous address (127.0.0.1 unless
+  told otherwise), and gloo binds to the loopback interface when that address is a loopback one.
+  The rendezvous is unauthenticated: on a cluster, keep its address on a private network.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mirrored.cluster_resolver import ClusterResolver
+from mirrored.rendezvous import SyncTimeoutError
+
+__all__ = ["PendingCollective", "WorkerGroup", "WorkerLostError"]
+
+_HEARTBEAT_SECONDS = 0.5
+# How long a worker's heartbeat may stand still before it counts as dead or frozen.
+_STALE_SECONDS = 4 * _HEARTBEAT_SECONDS
+
+
+class WorkerLostError(RuntimeError):
+    """A peer worker left the job (its process ended or its connection broke) mid-collective."""
+
+
+class PendingCollective:
+    """An asynchronous collective; ``wait()`` raises the group's diagnosis if it failed."""
+
+    def __init__(self, group: WorkerGroup, work: Any, position: tuple[int, str]) -> None:
+        self._group = group
+        self._work = work
+        self._position = position
+
+    def done(self) -> bool:
+        """Whether the collective has finished (successfully or not)."""
+        return self._work is None or bool(self._work.is_completed())
+
+    def wait(self) -> None:
+        if self._work is None:
+            return
+        work, self._work = self._work, None
+        try:
+            work.wait()
+        except Exception as error:
+            raise self._group._failure(error, self._position) from error
+
+
+class WorkerGroup:
+    """One process of a multi-worker job: its rank and collectives with every other worker.
+
+    Args:
+        resolver: who this worker is and where rank 0's rendezvous store listens.
+        backend: "gloo" or "nccl".
+        timeout_seconds: how long any collective waits for the other workers.
+    """
+
+    def __init__(self, resolver: ClusterResolver, backend: str, timeout_seconds: float) -> None:
+        if resolver.rank < 0:
+            raise ValueError(
+                f"this process is task {resolver.task_type!r} {resolver.task_id}, which takes "
+                "no part in synchronous training; run MultiWorkerMirroredStrategy only in the "
+                "'chief' and 'worker' tasks of TF_CONFIG"
+            )
+        self.backend = backend
+        self.timeout_seconds = timeout_seconds
+        self._position = (0, "connecting")
+        self.broken: BaseException | None = None
+        self._explainers: list[Callable[[], str | None]] = []
+        timeout = datetime.timedelta(seconds=timeout_seconds)
+        self._owns_process_group = not dist.is_initialized()
+        self._store: dist.Store
+        self._address: tuple[str, int] | None
+        if self._owns_process_group:
+            self.rank, self.world_size = resolver.rank, resolver.world_size
+            self._store, self._address = _connect_store(resolver, timeout)
+            self._prefix = f"mirrored/{resolver.restart_count}"
+            with _gloo_on_loopback(self._address[0], backend):
+                dist.init_process_group(
+                    backend,
+                    store=dist.PrefixStore(self._prefix + "/pg", self._store),
+                    rank=self.rank,
+                    world_size=self.world_size,
+                    timeout=timeout,
+                )
+        else:  # the user's program set up torch.distributed itself: join its default group
+            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+            self._store = dist.distributed_c10d._get_default_store()
+            self._address = None
+            self._prefix = "mirrored/joined"
+        self._meta_device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if backend == "nccl"
+            else torch.device("cpu")
+        )
+        self._stop = threading.Event()
+        self._heartbeat = threading.Thread(
+            target=self._beat, name=f"mirrored-heartbeat-{self.rank}", daemon=True
+        )
+        self._heartbeat.start()
+
+    def __repr__(self) -> str:
+        return f"WorkerGroup(rank={self.rank}, world_size={self.world_size}, {self.backend})"
+
+    @property
+    def is_chief(self) -> bool:
+        return self.rank == 0
+
+    # -- collectives ------------------------------------------------------------------------------
+    def all_reduce_async(self, tensor: torch.Tensor, label: str) -> PendingCollective:
+        """Start summing ``tensor`` over every worker, in place."""
+        with self._collective(label) as position:
+            work = dist.all_reduce(tensor, async_op=True)
+        return PendingCollective(self, work, position)
+
+    def all_reduce(self, tensor: torch.Tensor, label: str) -> None:
+        """Sum ``tensor`` over every worker, in place."""
+        self.all_reduce_async(tensor, label).wait()
+
+    def broadcast(self, tensor: torch.Tensor, label: str) -> None:
+        """Overwrite ``tensor`` with the chief's (rank 0's)."""
+        with self._collective(label) as position:
+            work = dist.broadcast(tensor, src=0, async_op=True)
+        PendingCollective(self, work, position).wait()
+
+    def all_gather_async(self, tensor: torch.Tensor, label: str) -> tuple[list[torch.Tensor], Any]:
+        """Start gathering every worker's ``tensor`` (same shape everywhere), in rank order."""
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        with self._collective(label) as position:
+            work = dist.all_gather(parts, tensor, async_op=True)
+        return parts, PendingCollective(self, work, position)
+
+    def all_gather(self, tensor: torch.Tensor, label: str) -> list[torch.Tensor]:
+        parts, pending = self.all_gather_async(tensor, label)
+        pending.wait()
+        return parts
+
+    def all_gather_json(self, value: Any, label: str) -> list[Any]:
+        """Every worker's JSON-serialisable ``value``, in rank order (no pickle on the wire)."""
+        data = json.dumps(value, sort_keys=True).encode()
+        size = torch.tensor([len(data)], dtype=torch.int64, device=self._meta_device)
+        sizes = [int(s.item()) for s in self.all_gather(size, label + " (sizes)")]
+        padded = torch.zeros(max(sizes), dtype=torch.uint8, device=self._meta_device)
+        padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        parts = self.all_gather(padded, label)
+        return [json.loads(bytes(p[:n].cpu().tolist())) for p, n in zip(parts, sizes, strict=True)]
+
+    def add_explainer(self, explain: Callable[[], str | None]) -> None:
+        """``explain()`` may name the cause of a failed collective (e.g. input that ran out)."""
+        self._explainers.append(explain)
+
+    @contextmanager
+    def _collective(self, label: str) -> Iterator[tuple[int, str]]:
+        if self.broken is not None:
+            raise RuntimeError(
+                f"the workers are out of step since an earlier collective failed ({self.broken}); "
+                "restart the job (with BackupAndRestore it resumes from the last backup)"
+            ) from self.broken
+        self._position = (self._position[0] + 1, label)
+        try:
+            yield self._position
+        except Exception as error:
+            raise self._failure(error, self._position) from error
+
+    # -- failure diagnosis ------------------------------------------------------------------------
+    def _failure(self, error: Exception, position: tuple[int, str]) -> Exception:
+        """The error to raise for a failed collective, naming the workers that are missing."""
+        if self.broken is not None:
+            return RuntimeError(f"an earlier collective failed: {self.broken}")
+        seq, label = position
+        timed_out = "timed out" in str(error).lower() or "timeout" in str(error).lower()
+        peers = self._peer_positions()
+        behind, silent = [], []
+        for rank, (peer_seq, peer_label, stale) in sorted(peers.items()):
+            if stale:
+                silent.append(f"worker {rank} stopped responding at {peer_label!r} (#{peer_seq})")
+            elif peer_seq != seq or peer_label != label:
+                behind.append(f"worker {rank} is at {peer_label!r} (#{peer_seq})")
+        missing = [r for r in range(self.world_size) if r != self.rank and r not in peers]
+        parts = silent + behind + [f"worker {r} never reported" for r in missing]
+        explanations = [text for explain in self._explainers if (text := explain())]
+        where = f"worker {self.rank} waited at {label!r} (#{seq})"
+        if timed_out:
+            summary = f"{where} for {self.timeout_seconds} s"
+        else:
+            summary = f"{where} when a peer's connection broke"
+        detail = "; ".join(explanations + parts) or f"no worker is behind ({error})"
+        message = (
+            f"{summary}: {detail}. Every worker must run the same steps; restart the job "
+            "(mirrored launch --max-restarts with BackupAndRestore resumes it)"
+        )
+        failure: Exception = SyncTimeoutError(message) if timed_out else WorkerLostError(message)
+        self.broken = failure
+        return failure
+
+    def _peer_positions(self) -> dict[int, tuple[int, str, bool]]:
+        """rank -> (collective number, label, heartbeat stale?) for every peer that reported."""
+        first = self._read_board()
+        time.sleep(_STALE_SECONDS)
+        second = self._read_board()
+        positions = {}
+        for rank, (beat, seq, label) in second.items():
+            if rank != self.rank:
+                positions[rank] = (seq, label, first.get(rank, (None,))[0] == beat)
+        return positions
+
+    def _read_board(self) -> dict[int, tuple[str, int, str]]:
+        board: dict[int, tuple[str, int, str]] = {}
+        keys = [self._board_key(rank) for rank in range(self.world_size)]
+        try:
+            self._store.set_timeout(datetime.timedelta(seconds=2))
+            present = [k for k in keys if self._store.check([k])]
+            for key in present:
+                beat, seq, label = self._store.get(key).decode().split("|", 2)
+                board[int(key.rsplit("/", 1)[1])] = (beat, int(seq), label)
+        except Exception:  # the store itself is gone (its host, rank 0, died): report no one
+            return {}
+        return board
+
+    def _board_key(self, rank: int) -> str:
+        return f"{self._prefix}/progress/{rank}"
+
+    def _beat(self) -> None:
+        """Publish this worker's position every half second until closed."""
+        beat = 0
+        try:
+            store = self._heartbeat_store()
+            while not self._stop.wait(_HEARTBEAT_SECONDS if beat else 0):
+                beat += 1
+                seq, label = self._position
+                store.set(self._board_key(self.rank), f"{beat}|{seq}|{label}")
+        except Exception:  # the store went away with its host: diagnosis says so
+            return
+
+    def _heartbeat_store(self) -> dist.Store:
+        """A connection of its own, so beats never interleave with the main thread's requests."""
+        if self._address is None:
+            return self._store
+        host, port = self._address
+        return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=30))
+
+    # -- lifetime ---------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the heartbeat and tear down the process group this group created; idempotent."""
+        self._stop.set()
+        if self._owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self._owns_process_group = False
+
+
+def _connect_store(
+    resolver: ClusterResolver, timeout: datetime.timedelta
+) -> tuple[dist.TCPStore, tuple[str, int]]:
+    """Rank 0 hosts the rendezvous store (unless a launcher's agent does); the others connect.
+
+    The host listens on a socket bound to the rendezvous address only, never on every interface
+    (TCPStore on its own binds the wildcard address).
+    """
+    host, port = resolver.master_addr, resolver.master_port
+    if resolver.rank != 0 or resolver.agent_store:
+        if port == 0:
+            raise ValueError(
+                f"worker {resolver.rank} of {resolver.world_size} needs the rendezvous port of "
+                "rank 0 (MASTER_PORT, or the chief's address in TF_CONFIG); got port 0"
+            )
+        return dist.TCPStore(host, port, resolver.world_size, False, timeout=timeout), (host, port)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
+        listener.listen(128)
+    except OSError as error:
+        listener.close()
+        raise OSError(
+            f"rank 0 cannot listen on {host}:{port} for the rendezvous ({error}); choose a free "
+            "port (MASTER_PORT, or the chief's port in TF_CONFIG) on an address of this machine"
+        ) from error
+    port = listener.getsockname()[1]
+    store = dist.TCPStore(
+        host,
+        port,
+        resolver.world_size,
+        True,
+        timeout=timeout,
+        wait_for_workers=False,
+        master_listen_fd=listener.detach(),
+    )
+    return store, (host, port)
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+@contextmanager
+def _gloo_on_loopback(host: str, backend: str) -> Iterator[None]:
+    """Bind gloo's sockets to the loopback interface when the rendezvous is on loopback (gloo
+    otherwise binds the address the machine's hostname resolves to)."""
+    names = [name for _, name in socket.if_nameindex() if name.startswith("lo")]
+    chosen = "GLOO_SOCKET_IFNAME" in os.environ
+    if backend != "gloo" or not _is_loopback(host) or not names or chosen:
+        yield
+        return
+    os.environ["GLOO_SOCKET_IFNAME"] = names[0]
+    try:
+        yield
+    finally:
+        del os.environ["GLOO_SOCKET_IFNAME"]

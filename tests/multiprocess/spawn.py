@@ -1,0 +1,129 @@
+"""Our own spawn helper: run a job of ``tests.multiprocess.jobs`` in N real worker processes.
+
+Each worker gets torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT) or a
+TF_CONFIG, one torch thread, and its own session, so that a test can kill every process it
+started, and does so whatever happens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclasses.dataclass
+class Worker:
+    rank: int
+    process: subprocess.Popen[str]
+    output: str = ""
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.returncode
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def worker_env(
+    rank: int,
+    num_workers: int,
+    port: int,
+    logical_devices: int,
+    cluster: str,
+    extra: dict[str, str] | None = None,
+) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "TF_CONFIG")}
+    env.update(OMP_NUM_THREADS="1", MIRRORED_TEST_LOGICAL_DEVICES=str(logical_devices))
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    if cluster == "torchrun":
+        env.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(num_workers),
+            LOCAL_RANK=str(rank),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
+    else:
+        addresses = [f"127.0.0.1:{port if i == 0 else free_port()}" for i in range(num_workers)]
+        env["TF_CONFIG"] = json.dumps(
+            {"cluster": {"worker": addresses}, "task": {"type": "worker", "index": rank}}
+        )
+    env.update(extra or {})
+    return env
+
+
+def start_workers(
+    job: str,
+    out: Path,
+    num_workers: int = 2,
+    *,
+    args: Sequence[str] = (),
+    logical_devices: int = 1,
+    cluster: str = "torchrun",
+    env: dict[int, dict[str, str]] | None = None,
+) -> list[Worker]:
+    port = free_port()
+    workers = []
+    for rank in range(num_workers):
+        process = subprocess.Popen(
+            [sys.executable, "-m", "tests.multiprocess.jobs", job, str(out), *args],
+            cwd=REPO,
+            env=worker_env(
+                rank, num_workers, port, logical_devices, cluster, (env or {}).get(rank)
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        workers.append(Worker(rank, process))
+    return workers
+
+
+def wait_workers(workers: Sequence[Worker], timeout: float) -> list[Worker]:
+    """Wait for every worker (killing all of them past ``timeout``) and collect their output."""
+    deadline = time.monotonic() + timeout
+    try:
+        for worker in workers:
+            remaining = max(0.1, deadline - time.monotonic())
+            worker.output, _ = worker.process.communicate(timeout=remaining)
+    except subprocess.TimeoutExpired:
+        kill_workers(workers)
+        outputs = "\n".join(f"--- worker {w.rank}:\n{w.process.communicate()[0]}" for w in workers)
+        raise AssertionError(f"workers still running after {timeout} s:\n{outputs}") from None
+    finally:
+        kill_workers(workers)
+    return list(workers)
+
+
+def kill_workers(workers: Sequence[Worker]) -> None:
+    for worker in workers:
+        if worker.process.poll() is None:
+            os.killpg(worker.process.pid, signal.SIGKILL)
+            worker.process.wait()
+
+
+def run_workers(job: str, out: Path, num_workers: int = 2, *, timeout: float = 120, **kw: object) -> list[Worker]:
+    """Start ``num_workers`` workers of ``job`` and wait for all of them."""
+    return wait_workers(start_workers(job, out, num_workers, **kw), timeout)  # type: ignore[arg-type]
+
+
+def assert_all_succeeded(workers: Sequence[Worker]) -> None:
+    failed = [w for w in workers if w.returncode != 0]
+    assert not failed, "\n".join(
+        f"--- worker {w.rank} exited {w.returncode}:\n{w.output}" for w in failed
+    )
