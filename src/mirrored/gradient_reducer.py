@@ -43,12 +43,6 @@ if TYPE_CHECKING:
 
 __all__ = ["OverlappedGradientReducer"]
 
-# The reducer that owns each parameter's hooks: mirroring a module again (a second compile())
-# hands its parameters to a new reducer, and the old one must stop reducing them.
-_OWNER: weakref.WeakKeyDictionary[nn.Parameter, OverlappedGradientReducer] = (
-    weakref.WeakKeyDictionary()
-)
-
 
 class OverlappedGradientReducer:
     """The gradients of one mirrored optimizer's parameters, reduced over all replicas of all
@@ -123,18 +117,21 @@ class OverlappedGradientReducer:
         self._pending: list[PendingCollective | None] = [None] * len(self._buckets)
         self._handles: list[Any] = []
         self._hooked = [[False] * len(first) for _ in range(num_local)]
+        self._accumulators: list[list[Any]] = [[None] * len(first) for _ in range(num_local)]
         for r, replica in enumerate(self._params):
             for i, param in enumerate(replica):
-                previous = _OWNER.get(param)
+                owner = getattr(param, "_mirrored_gradient_reducer", None)
+                previous = owner() if owner is not None else None
                 if previous is not None and previous is not self:
                     previous.remove_hooks()
-                _OWNER[param] = self
+                param._mirrored_gradient_reducer = weakref.ref(self)  # type: ignore[attr-defined]
                 self._hook(r, i)
 
     def _hook(self, r: int, i: int) -> None:
         """Watch parameter ``i`` of replica ``r`` (only possible while it requires grad)."""
         param = self._params[r][i]
         if param.requires_grad and not self._hooked[r][i]:
+            self._accumulators[r][i] = _accumulator(param)
             self._handles.append(param.register_hook(functools.partial(self._on_grad, r, i)))
             self._hooked[r][i] = True
 
@@ -146,8 +143,8 @@ class OverlappedGradientReducer:
 
     # -- during backward --------------------------------------------------------------------------
     def _on_grad(self, r: int, i: int, grad: torch.Tensor) -> torch.Tensor | None:
-        if self._strategy._active_replica(r) is None:
-            return None  # backward outside strategy.run: nothing to reduce
+        if self._strategy._active_replica(r) is None or not _accumulates(self._accumulators[r][i]):
+            return None  # backward outside strategy.run, or autograd.grad: nothing to reduce
         if not self._in_pass[r]:
             self._in_pass[r] = True
             torch.autograd.Variable._execution_engine.queue_callback(
@@ -264,3 +261,21 @@ class OverlappedGradientReducer:
     def end_step(self, r: int) -> None:
         """After ``optimizer.step()`` on replica ``r``: the next step starts counting passes."""
         self._passes[r] = 0
+
+
+def _accumulator(param: nn.Parameter) -> Any:
+    """The autograd node that accumulates into ``param.grad`` (kept alive by the caller, so that
+    autograd keeps using this one)."""
+    with torch.enable_grad():
+        view = param.view_as(param)
+    assert view.grad_fn is not None
+    return view.grad_fn.next_functions[0][0]
+
+
+def _accumulates(accumulator: Any) -> bool:
+    """Whether the running backward accumulates through ``accumulator`` (``loss.backward()``),
+    as opposed to ``torch.autograd.grad``, whose results the hooks must leave alone."""
+    try:
+        return bool(torch._C._will_engine_execute_node(accumulator))
+    except RuntimeError:  # torch refuses the question during autograd.grad
+        return False

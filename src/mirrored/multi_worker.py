@@ -386,7 +386,7 @@ class _StepAgreement:
     def _explain(self) -> str | None:
         """For a failed collective: whether a finished check shows uneven input."""
         for parts, pending in self._pending:
-            if pending.done():
+            if pending.succeeded():
                 message = self._uneven(parts)
                 if message:
                     return message

@@ -28,6 +28,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -57,9 +58,10 @@ class PendingCollective:
         self._work = work
         self._position = position
 
-    def done(self) -> bool:
-        """Whether the collective has finished (successfully or not)."""
-        return self._work is None or bool(self._work.is_completed())
+    def succeeded(self) -> bool:
+        """Whether the collective has finished without error (its output can be read)."""
+        work = self._work
+        return work is None or (bool(work.is_completed()) and work.exception() is None)
 
     def wait(self) -> None:
         if self._work is None:
@@ -91,7 +93,7 @@ class WorkerGroup:
         self.timeout_seconds = timeout_seconds
         self._position = (0, "connecting")
         self.broken: BaseException | None = None
-        self._explainers: list[Callable[[], str | None]] = []
+        self._explainers: list[weakref.WeakMethod[Callable[[], str | None]]] = []
         timeout = datetime.timedelta(seconds=timeout_seconds)
         self._owns_process_group = not dist.is_initialized()
         self._store: dist.Store
@@ -171,8 +173,9 @@ class WorkerGroup:
         return [json.loads(bytes(p[:n].cpu().tolist())) for p, n in zip(parts, sizes, strict=True)]
 
     def add_explainer(self, explain: Callable[[], str | None]) -> None:
-        """``explain()`` may name the cause of a failed collective (e.g. input that ran out)."""
-        self._explainers.append(explain)
+        """``explain()``, a bound method, may name the cause of a failed collective (e.g. input
+        that ran out); held weakly, so it goes with its object."""
+        self._explainers.append(weakref.WeakMethod(explain))
 
     @contextmanager
     def _collective(self, label: str) -> Iterator[tuple[int, str]]:
@@ -198,12 +201,16 @@ class WorkerGroup:
         behind, silent = [], []
         for rank, (peer_seq, peer_label, stale) in sorted(peers.items()):
             if stale:
-                silent.append(f"worker {rank} stopped responding at {peer_label!r} (#{peer_seq})")
+                silent.append(
+                    f"worker {rank} stopped responding (its process died or froze; last seen at "
+                    f"{peer_label!r}, #{peer_seq})"
+                )
             elif peer_seq != seq or peer_label != label:
                 behind.append(f"worker {rank} is at {peer_label!r} (#{peer_seq})")
         missing = [r for r in range(self.world_size) if r != self.rank and r not in peers]
         parts = silent + behind + [f"worker {r} never reported" for r in missing]
-        explanations = [text for explain in self._explainers if (text := explain())]
+        explainers = [ref() for ref in self._explainers]
+        explanations = [text for explain in explainers if explain and (text := explain())]
         where = f"worker {self.rank} waited at {label!r} (#{seq})"
         if timed_out:
             summary = f"{where} for {self.timeout_seconds} s"

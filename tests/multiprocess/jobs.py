@@ -1,40 +1,213 @@
 """The programs the multi-process tests run, one function per job: ``python -m
-tests.multiprocess.jobs JOB OUT_DIR [ARGS]``. Each worker writes ``OUT_DIR/rank{R}.pt``."""
+tests.multiprocess.jobs JOB OUT_DIR [ARGS]``. Each worker writes ``OUT_DIR/rank{R}.pt``; errors
+propagate (the process exits 1 with the traceback in its output)."""
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 import mirrored
 from mirrored import config
 from tests.reference_loops import OPTIMIZERS, make_batches, make_mlp, train_mirrored
 
 
-def _strategy() -> mirrored.MultiWorkerMirroredStrategy:
+def _strategy(timeout_seconds: float = 60) -> mirrored.MultiWorkerMirroredStrategy:
     return mirrored.MultiWorkerMirroredStrategy(
-        communication_options=mirrored.CommunicationOptions(timeout_seconds=30)
+        communication_options=mirrored.CommunicationOptions(timeout_seconds=timeout_seconds)
     )
+
+
+def _save(strategy: mirrored.MultiWorkerMirroredStrategy, out: Path, result: Any) -> None:
+    torch.save(result, out / f"rank{strategy.worker_group.rank}.pt")
 
 
 def custom_loop(out: Path, optimizer: str = "sgd") -> None:
     """The reference custom loop on the MLP, ragged last batch included."""
-    strategy = _strategy()
-    model = make_mlp()
-    mirrored_model, _, losses = train_mirrored(
-        strategy, model, OPTIMIZERS[optimizer](model), make_batches()
+    with _strategy() as strategy:
+        model = make_mlp()
+        mirrored_model, _, losses = train_mirrored(
+            strategy, model, OPTIMIZERS[optimizer](model), make_batches()
+        )
+        replicas = [r.state_dict() for r in mirrored_model.replicas]
+        _save(strategy, out, {"losses": losses, "replicas": replicas})
+
+
+def fit_data() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(203, 12, generator=generator)
+    return x, torch.randint(0, 5, (203,), generator=generator)
+
+
+def compile_mlp(model: mirrored.Model) -> None:
+    model.compile(
+        optimizer=mirrored.optimizers.Adam(1e-2),
+        loss=mirrored.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
     )
-    rank = strategy.worker_group.rank
-    replicas = [r.state_dict() for r in mirrored_model.replicas]
-    torch.save({"losses": losses, "replicas": replicas}, out / f"rank{rank}.pt")
-    strategy.close()
 
 
-JOBS: dict[str, Callable[..., None]] = {"custom_loop": custom_loop}
+def fit(out: Path) -> None:
+    """Model.fit with shuffling and a ragged last batch, then evaluate and predict."""
+    x, y = fit_data()
+    with _strategy() as strategy:
+        with strategy.scope():
+            model = mirrored.Model(make_mlp())
+            compile_mlp(model)
+        torch.manual_seed(3)
+        history = model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+        evaluation = model.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
+        predictions = model.predict(x[:37], batch_size=8, verbose=0)
+        _save(
+            strategy,
+            out,
+            {
+                "weights": model.state_dict(),
+                "history": history.history,
+                "evaluation": evaluation,
+                "predictions": predictions,
+                "should_checkpoint": strategy.should_checkpoint,
+            },
+        )
+
+
+def collectives(out: Path) -> None:
+    """reduce / gather / all_reduce / all_gather across workers, with ragged shards."""
+    with _strategy() as strategy:
+        rank = strategy.worker_group.rank
+
+        def replica_fn(x: torch.Tensor) -> dict[str, Any]:
+            context = mirrored.get_replica_context()
+            assert context is not None
+            return {
+                "id": torch.tensor([float(context.replica_id_in_sync_group)]),
+                "sum": context.all_reduce("sum", x.sum()),
+                "gathered": context.all_gather(x, axis=0),
+                "x": x,
+            }
+
+        batch = torch.arange(11.0).reshape(11, 1)
+        result = next(iter(strategy.experimental_distribute_dataset([batch])))
+        values = strategy.run(replica_fn, args=(result,))
+        _save(
+            strategy,
+            out,
+            {
+                "ids": strategy.gather(values["id"], axis=0),
+                "sum": strategy.experimental_local_results(values["sum"]),
+                "replica_gathered": strategy.experimental_local_results(values["gathered"]),
+                "gathered": strategy.gather(values["x"], axis=0),
+                "mean_axis": strategy.reduce("mean", values["x"], axis=0),
+                "sum_none": strategy.reduce("sum", values["id"], axis=None),
+                "rank": rank,
+                "num_replicas_in_sync": strategy.num_replicas_in_sync,
+            },
+        )
+
+
+def checkpoint(out: Path) -> None:
+    """Only the chief writes; every worker restores the chief's file."""
+    x, y = fit_data()
+    with _strategy() as strategy:
+        with strategy.scope():
+            model = mirrored.Model(make_mlp())
+            compile_mlp(model)
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+        path = out / "weights.pt"
+        model.save_weights(path)
+        model.save(out / "model.pt")
+        strategy.reduce("sum", torch.ones(()))  # a collective: the chief has written by now
+        model.load_weights(path)
+        _save(strategy, out, {"weights": model.state_dict()})
+
+
+def train_forever(out: Path, timeout_seconds: str = "5", hang_rank: str = "-1") -> None:
+    """Steps until killed; ``hang_rank`` stops stepping (sleeps) after its third step."""
+    with _strategy(float(timeout_seconds)) as strategy:
+        rank = strategy.worker_group.rank
+        model = make_mlp()
+        mirrored_model, optimizer = strategy.mirror(model, torch.optim.SGD(model.parameters(), 0.1))
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> None:
+            loss = mirrored.compute_average_loss(
+                F.cross_entropy(mirrored_model(x), y, reduction="none")
+            )
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        batches = make_batches()
+        for step_number in range(1_000_000):
+            for x, y in strategy.experimental_distribute_dataset(batches[:1]):
+                strategy.run(step, args=(x, y))
+            if step_number == 3:
+                (out / f"started{rank}").touch()
+                if rank == int(hang_rank):
+                    time.sleep(1000)
+            time.sleep(0.01)
+
+
+def different_models(out: Path) -> None:
+    with _strategy() as strategy:
+        rank = strategy.worker_group.rank
+        module = nn.Linear(4, 3 if rank == 0 else 2)
+        strategy.mirror(module, torch.optim.SGD(module.parameters(), 0.1))
+
+
+def uneven_input(out: Path) -> None:
+    """Worker 1's dataset has one batch fewer."""
+    with _strategy() as strategy:
+        rank = strategy.worker_group.rank
+        model = make_mlp()
+        batches = make_batches()[: 5 if rank == 0 else 4]
+        train_mirrored(strategy, model, OPTIMIZERS["sgd"](model), batches)
+
+
+def backup(out: Path, backup_dir: str) -> None:
+    """fit with BackupAndRestore after every batch, slowed down so that it can be killed."""
+    x, y = fit_data()
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    started = out / f"started{os.environ.get('RANK')}.{attempt}"
+    slow = mirrored.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: (started.touch(), time.sleep(0.05))
+    )
+    with _strategy() as strategy:
+        with strategy.scope():
+            module = nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 5))
+            model = mirrored.Model(module)
+            compile_mlp(model)
+        history = model.fit(
+            x,
+            y,
+            batch_size=16,
+            epochs=3,
+            verbose=0,
+            callbacks=[slow, mirrored.callbacks.BackupAndRestore(backup_dir, save_freq=1)],
+        )
+        _save(strategy, out, {"weights": model.state_dict(), "history": history.history})
+
+
+JOBS: dict[str, Callable[..., None]] = {
+    f.__name__: f
+    for f in (
+        custom_loop,
+        fit,
+        collectives,
+        checkpoint,
+        train_forever,
+        different_models,
+        uneven_input,
+        backup,
+    )
+}
 
 
 def main() -> None:
@@ -43,6 +216,7 @@ def main() -> None:
     config.set_logical_device_configuration(
         config.list_physical_devices("CPU")[0], [config.LogicalDeviceConfiguration()] * logical
     )
+    torch.manual_seed(0)
     JOBS[job](Path(out), *args)
 
 

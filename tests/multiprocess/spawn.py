@@ -117,7 +117,9 @@ def kill_workers(workers: Sequence[Worker]) -> None:
             worker.process.wait()
 
 
-def run_workers(job: str, out: Path, num_workers: int = 2, *, timeout: float = 120, **kw: object) -> list[Worker]:
+def run_workers(
+    job: str, out: Path, num_workers: int = 2, *, timeout: float = 120, **kw: object
+) -> list[Worker]:
     """Start ``num_workers`` workers of ``job`` and wait for all of them."""
     return wait_workers(start_workers(job, out, num_workers, **kw), timeout)  # type: ignore[arg-type]
 

@@ -1,0 +1,176 @@
+"""MultiWorkerMirroredStrategy with real worker processes on 127.0.0.1 (tests/multiprocess/jobs.py).
+
+Every worker's result is compared with the single-device program in this process; faults are
+real: a worker killed with SIGKILL, a worker that stops stepping, workers that disagree.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import mirrored
+from tests.multiprocess.jobs import compile_mlp, fit_data
+from tests.multiprocess.spawn import (
+    assert_all_succeeded,
+    kill_workers,
+    run_workers,
+    start_workers,
+    wait_workers,
+)
+from tests.reference_loops import (
+    OPTIMIZERS,
+    make_batches,
+    make_mlp,
+    train_plain,
+)
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
+
+
+def _results(out: Path, num_workers: int = 2) -> list[dict]:
+    return [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in range(num_workers)]
+
+
+def _assert_close(expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor]) -> None:
+    for name, value in expected.items():
+        torch.testing.assert_close(actual[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "logical_devices", "cluster"),
+    [("sgd", 2, "torchrun"), ("adam", 2, "torchrun"), ("adam", 1, "tf_config")],
+)
+def test_custom_loop_equals_one_device(
+    tmp_path: Path, optimizer: str, logical_devices: int, cluster: str
+) -> None:
+    workers = run_workers(
+        "custom_loop", tmp_path, args=[optimizer], logical_devices=logical_devices, cluster=cluster
+    )
+    assert_all_succeeded(workers)
+    model = make_mlp()
+    losses = train_plain(model, OPTIMIZERS[optimizer](model), make_batches())
+    results = _results(tmp_path)
+    for result in results:
+        assert len(result["replicas"]) == logical_devices
+        for replica in result["replicas"]:
+            _assert_close(model.state_dict(), replica)
+        torch.testing.assert_close(result["losses"], losses, rtol=1e-5, atol=1e-6)
+    # Every replica of every worker holds bit-identical parameters.
+    first = results[0]["replicas"][0]
+    for result in results:
+        for replica in result["replicas"]:
+            assert all(torch.equal(replica[k], v) for k, v in first.items())
+
+
+def test_fit_evaluate_predict_equal_one_device(tmp_path: Path) -> None:
+    assert_all_succeeded(run_workers("fit", tmp_path, logical_devices=2))
+    x, y = fit_data()
+    torch.manual_seed(0)
+    model = mirrored.Model(make_mlp())
+    compile_mlp(model)
+    torch.manual_seed(3)
+    history = model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    evaluation = model.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
+    predictions = model.predict(x[:37], batch_size=8, verbose=0)
+    results = _results(tmp_path)
+    for result in results:
+        _assert_close(model.state_dict(), result["weights"])
+        for name, values in history.history.items():
+            assert result["history"][name] == pytest.approx(values, rel=1e-6)
+        assert result["evaluation"] == pytest.approx(evaluation, rel=1e-6)
+        torch.testing.assert_close(result["predictions"], predictions, rtol=1e-5, atol=1e-6)
+    assert [r["should_checkpoint"] for r in results] == [True, False]
+
+
+def test_collectives_cover_every_replica_of_every_worker(tmp_path: Path) -> None:
+    assert_all_succeeded(run_workers("collectives", tmp_path, logical_devices=2))
+    batch = torch.arange(11.0).reshape(11, 1)
+    for result in _results(tmp_path):
+        assert result["num_replicas_in_sync"] == 4
+        torch.testing.assert_close(result["ids"], torch.tensor([0.0, 1.0, 2.0, 3.0]))
+        torch.testing.assert_close(result["gathered"], batch)
+        for gathered in result["replica_gathered"]:
+            torch.testing.assert_close(gathered, batch)
+        for total in result["sum"]:
+            torch.testing.assert_close(total, torch.tensor(55.0))
+        torch.testing.assert_close(result["mean_axis"], torch.tensor([5.0]))
+        torch.testing.assert_close(result["sum_none"], torch.tensor([6.0]))
+
+
+def test_only_the_chief_writes_and_every_worker_restores(tmp_path: Path) -> None:
+    assert_all_succeeded(run_workers("checkpoint", tmp_path, logical_devices=2))
+    saved = torch.load(tmp_path / "weights.pt", weights_only=True)
+    for result in _results(tmp_path):
+        _assert_close(saved, result["weights"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "model.pt",
+        "rank0.pt",
+        "rank1.pt",
+        "weights.pt",
+    ]  # no temporary files, no second copy
+    # 2 workers x 2 devices wrote it; one process with 3 replicas restores it.
+    with mirrored.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"]) as strategy:
+        with strategy.scope():
+            model = mirrored.Model(make_mlp(seed=7))
+            compile_mlp(model)
+        model.load(tmp_path / "model.pt")
+        _assert_close(saved, model.state_dict())
+
+
+def _started(out: Path, rank: int, deadline: float = 90) -> None:
+    end = time.monotonic() + deadline
+    while not (out / f"started{rank}").exists():
+        assert time.monotonic() < end, "the workers never started training"
+        time.sleep(0.05)
+
+
+def test_a_killed_worker_fails_the_others_with_its_rank(tmp_path: Path) -> None:
+    workers = start_workers("train_forever", tmp_path, args=["5"])
+    try:
+        _started(tmp_path, 1)
+        os.kill(workers[1].process.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        wait_workers(workers, timeout=60)
+    finally:
+        kill_workers(workers)
+    assert time.monotonic() - killed_at < 5 + 10  # within timeout_seconds, with diagnosis
+    assert workers[0].returncode != 0
+    assert "WorkerLostError" in workers[0].output
+    assert "worker 1 stopped responding" in workers[0].output
+
+
+def test_a_hung_worker_times_the_others_out_naming_it(tmp_path: Path) -> None:
+    workers = start_workers("train_forever", tmp_path, args=["3", "1"])
+    try:
+        _started(tmp_path, 1)
+        hung_at = time.monotonic()
+        workers[0].output, _ = workers[0].process.communicate(timeout=60)
+        waited = time.monotonic() - hung_at
+    finally:
+        kill_workers(workers)
+    assert waited < 3 + 10
+    assert workers[0].returncode != 0
+    assert "SyncTimeoutError" in workers[0].output
+    assert "for 3.0 s: worker 1 is at" in workers[0].output, workers[0].output[-1500:]
+
+
+def test_workers_with_different_models_fail_clearly(tmp_path: Path) -> None:
+    workers = run_workers("different_models", tmp_path)
+    for worker in workers:
+        assert worker.returncode != 0
+        assert "worker 1 built a different model than worker 0" in worker.output
+        assert "[3, 4]" in worker.output and "[2, 4]" in worker.output
+
+
+def test_workers_with_different_numbers_of_steps_fail_clearly(tmp_path: Path) -> None:
+    workers = run_workers("uneven_input", tmp_path)
+    message = "the input of worker(s) [1] ran out while worker(s) [0] still had batches"
+    for worker in workers:
+        assert worker.returncode != 0
+        assert message in worker.output, worker.output
