@@ -10,11 +10,13 @@ last batch.
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 import torch
+from torch.utils.data import DataLoader, IterableDataset, Sampler
 
 from mirrored.values import PerReplica, flatten, map_structure
 
@@ -102,16 +104,18 @@ def split_batch(
     devices: Sequence[torch.device | None],
     first_shard: int = 0,
     num_shards: int | None = None,
+    global_batch_size: int | None = None,
 ) -> Any:
     """One global batch -> the same structure with ``PerReplicaShards`` leaves on ``devices``
     (a None device leaves its shard where the batch is).
 
     Across workers the batch splits into ``num_shards`` (every replica of every worker) and this
-    process keeps shards ``first_shard ..`` for its own devices.
+    process keeps shards ``first_shard ..`` for its own devices. A worker that loaded only its
+    own part passes that part and the ``global_batch_size`` it came from.
     """
     batch = map_structure(_as_tensor, batch)
-    global_batch_size = batch_size_of(batch)
-    all_sizes = shard_sizes(global_batch_size, num_shards or len(devices))
+    all_sizes = shard_sizes(batch_size_of(batch), num_shards or len(devices))
+    global_batch_size = global_batch_size or batch_size_of(batch)
     start = sum(all_sizes[:first_shard])
     sizes = all_sizes[first_shard : first_shard + len(devices)]
 
@@ -225,6 +229,95 @@ def distribute_replica_batches(
                 local = sum(batch_size_of(map_structure(_as_tensor, b)) for b in step)
                 global_batch_size = agreement.batch(local)
             yield stack_replica_batches(step, devices, global_batch_size)
+        if agreement is not None:
+            agreement.end()
+
+    return DistributedDataset(batches)
+
+
+class _WorkerBatchSampler(Sampler[list[int]]):
+    """A DataLoader's global batches of indices -> the indices of this worker's shards.
+
+    Records (global batch size, examples kept) for every batch, in order, for the consumer; a
+    worker whose part is empty loads one example and drops it (a batch cannot be empty).
+    """
+
+    def __init__(
+        self,
+        batch_sampler: Iterable[list[int]],
+        first_shard: int,
+        num_local: int,
+        num_shards: int,
+        sizes: deque[tuple[int, int]],
+    ) -> None:
+        self._batch_sampler = batch_sampler
+        self._first, self._num_local, self._num_shards = first_shard, num_local, num_shards
+        self._sizes = sizes
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for indices in self._batch_sampler:
+            indices = list(indices)
+            sizes = shard_sizes(len(indices), self._num_shards)
+            start = sum(sizes[: self._first])
+            kept = sum(sizes[self._first : self._first + self._num_local])
+            self._sizes.append((len(indices), kept))
+            yield indices[start : start + kept] if kept else indices[:1]
+
+    def __len__(self) -> int:
+        return len(self._batch_sampler)  # type: ignore[arg-type]
+
+
+def shardable_loader(dataset: Any) -> bool:
+    """A DataLoader over a map-style dataset, in order: each worker can load only its part."""
+    return (
+        isinstance(dataset, DataLoader)
+        and not isinstance(dataset.dataset, IterableDataset)
+        and dataset.batch_sampler is not None
+        and getattr(dataset, "in_order", True)
+    )
+
+
+def distribute_loader_parts(
+    loader: DataLoader[Any],
+    devices: Sequence[torch.device | None],
+    first_shard: int,
+    num_shards: int,
+    agreement: StepAgreement | None = None,
+) -> DistributedDataset:
+    """Like ``distribute_global_batches`` for a DataLoader, but this worker loads only the
+    examples of its own shards (a clone of ``loader`` over the same dataset, sampler and
+    settings, whose batches hold this worker's part of each global batch)."""
+
+    def batches() -> Iterator[Any]:
+        sizes: deque[tuple[int, int]] = deque()
+        assert loader.batch_sampler is not None
+        sampler = _WorkerBatchSampler(
+            loader.batch_sampler, first_shard, len(devices), num_shards, sizes
+        )
+        part_loader = DataLoader(
+            loader.dataset,
+            batch_sampler=sampler,
+            num_workers=loader.num_workers,
+            collate_fn=loader.collate_fn,
+            pin_memory=loader.pin_memory,
+            timeout=loader.timeout,
+            worker_init_fn=loader.worker_init_fn,
+            multiprocessing_context=loader.multiprocessing_context,
+            generator=loader.generator,
+            prefetch_factor=loader.prefetch_factor,
+            persistent_workers=loader.persistent_workers,
+            pin_memory_device=loader.pin_memory_device,
+        )
+        for part in part_loader:
+            global_batch_size, kept = sizes.popleft()
+            if not kept:
+                part = map_structure(
+                    lambda t: t[:0] if isinstance(t, torch.Tensor) and t.dim() else t, part
+                )
+            shards = split_batch(part, devices, global_batch_size=global_batch_size)
+            if agreement is not None:
+                agreement.batch(global_batch_size)
+            yield shards
         if agreement is not None:
             agreement.end()
 

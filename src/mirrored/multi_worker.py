@@ -29,7 +29,9 @@ from mirrored.input import (
     DistributedDataset,
     InputContext,
     distribute_global_batches,
+    distribute_loader_parts,
     distribute_replica_batches,
+    shardable_loader,
 )
 from mirrored.mirror import MirroredModule, MirroredOptimizer, _tensors_of
 from mirrored.mirrored_strategy import MirroredStrategy
@@ -239,13 +241,26 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
 
     # -- input ------------------------------------------------------------------------------------
     def experimental_distribute_dataset(self, dataset: Iterable[Any]) -> DistributedDataset:
-        """Iterate the same global batches in every worker; each keeps its replicas' shards."""
+        """Iterate the same global batches in every worker; each keeps its replicas' shards.
+
+        A DataLoader over a map-style dataset is cloned so that each worker loads only the
+        examples of its own shards; any other iterable is read whole by every worker.
+        """
+        agreement = _StepAgreement(self._group, wait_for_global_size=False)
+        if shardable_loader(dataset):
+            return distribute_loader_parts(
+                dataset,  # type: ignore[arg-type]
+                self._input_devices,
+                self._offset,
+                self.num_replicas_in_sync,
+                agreement,
+            )
         return distribute_global_batches(
             dataset,
             self._input_devices,
             self._offset,
             self.num_replicas_in_sync,
-            _StepAgreement(self._group, wait_for_global_size=False),
+            agreement,
         )
 
     def distribute_datasets_from_function(

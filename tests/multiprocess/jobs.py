@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 import mirrored
 from mirrored import config
@@ -39,6 +40,50 @@ def custom_loop(out: Path, optimizer: str = "sgd") -> None:
         )
         replicas = [r.state_dict() for r in mirrored_model.replicas]
         _save(strategy, out, {"losses": losses, "replicas": replicas})
+
+
+class CountingDataset(TensorDataset):
+    """Records which examples this process loaded."""
+
+    def __init__(self, *tensors: torch.Tensor) -> None:
+        super().__init__(*tensors)
+        self.loaded: list[int] = []
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
+        self.loaded.append(index)
+        return super().__getitem__(index)
+
+
+def shuffled_loader() -> DataLoader[tuple[torch.Tensor, ...]]:
+    x, y = fit_data()
+    return DataLoader(
+        CountingDataset(x, y),
+        batch_size=16,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(5),
+    )
+
+
+def loader_loop(out: Path) -> None:
+    """The custom loop fed by a shuffling DataLoader: each worker loads only its part."""
+    loader = shuffled_loader()
+    with _strategy() as strategy:
+        model = make_mlp()
+        mirrored_model, _, losses = train_mirrored(
+            strategy,
+            model,
+            OPTIMIZERS["adam"](model),
+            loader,  # type: ignore[arg-type]
+        )
+        _save(
+            strategy,
+            out,
+            {
+                "weights": mirrored_model.state_dict(),
+                "losses": losses,
+                "loaded": loader.dataset.loaded,  # type: ignore[attr-defined]
+            },
+        )
 
 
 def fit_data() -> tuple[torch.Tensor, torch.Tensor]:
@@ -199,6 +244,7 @@ JOBS: dict[str, Callable[..., None]] = {
     f.__name__: f
     for f in (
         custom_loop,
+        loader_loop,
         fit,
         collectives,
         checkpoint,

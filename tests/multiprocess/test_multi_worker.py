@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import mirrored
-from tests.multiprocess.jobs import compile_mlp, fit_data
+from tests.multiprocess.jobs import compile_mlp, fit_data, shuffled_loader
 from tests.multiprocess.spawn import (
     assert_all_succeeded,
     kill_workers,
@@ -66,6 +66,20 @@ def test_custom_loop_equals_one_device(
     for result in results:
         for replica in result["replicas"]:
             assert all(torch.equal(replica[k], v) for k, v in first.items())
+
+
+def test_each_worker_loads_only_its_part_of_a_data_loader(tmp_path: Path) -> None:
+    assert_all_succeeded(run_workers("loader_loop", tmp_path, logical_devices=2))
+    loader = shuffled_loader()
+    model = make_mlp()
+    losses = train_plain(model, OPTIMIZERS["adam"](model), loader)  # type: ignore[arg-type]
+    results = _results(tmp_path)
+    for result in results:
+        _assert_close(model.state_dict(), result["weights"])
+        torch.testing.assert_close(result["losses"], losses, rtol=1e-5, atol=1e-6)
+    loaded = [set(r["loaded"]) for r in results]
+    assert len(results[0]["loaded"]) + len(results[1]["loaded"]) == 203
+    assert loaded[0] | loaded[1] == set(range(203))
 
 
 def test_fit_evaluate_predict_equal_one_device(tmp_path: Path) -> None:
