@@ -2,6 +2,7 @@
 
     mirrored devices                       list physical and logical devices
     mirrored train EXAMPLE [flags]         run one of the users' programs (mirrored.examples)
+    mirrored launch [flags] SCRIPT [args]  run SCRIPT in worker processes (mirrored.launch)
 
 ``mirrored train mnist_mlp --logical-devices 4`` trains the first article's model on four
 logical CPU devices; ``mirrored train EXAMPLE --help`` lists an example's flags.
@@ -14,7 +15,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from mirrored import config
+from mirrored import config, launch
 
 __all__ = ["EXAMPLES", "main"]
 
@@ -59,9 +60,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     train.add_argument("example", help=f"one of {', '.join(EXAMPLES)}")
     train.add_argument("flags", nargs=argparse.REMAINDER, help="the example's own flags")
+    launcher = commands.add_parser(
+        "launch",
+        help="run a script in worker processes (torchrun's environment, loopback-only store)",
+        description="Run SCRIPT in worker processes; flags after SCRIPT go to it.",
+    )
+    launch.add_arguments(launcher)
     args = parser.parse_args(argv)
     if args.command == "devices":
         return _devices()
+    if args.command == "launch":
+        return launch.run_arguments(launcher, args)
     return _train(args.example, args.flags)
 
 
