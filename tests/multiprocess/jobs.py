@@ -222,7 +222,10 @@ def backup(out: Path, backup_dir: str) -> None:
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     started = out / f"started{os.environ.get('RANK')}.{attempt}"
     slow = mirrored.callbacks.LambdaCallback(
-        on_train_batch_end=lambda batch, logs: (started.touch(), time.sleep(0.05))
+        on_train_batch_end=lambda batch, logs: (
+            started.write_text(str(os.getpid())),
+            time.sleep(0.05),
+        )
     )
     with _strategy() as strategy:
         with strategy.scope():
