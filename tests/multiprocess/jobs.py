@@ -31,8 +31,11 @@ def _save(strategy: mirrored.MultiWorkerMirroredStrategy, out: Path, result: Any
     torch.save(result, out / f"rank{strategy.worker_group.rank}.pt")
 
 
-def custom_loop(out: Path, optimizer: str = "sgd") -> None:
-    """The reference custom loop on the MLP, ragged last batch included."""
+def custom_loop(out: Path, optimizer: str = "sgd", user_group: str = "") -> None:
+    """The reference custom loop on the MLP, ragged last batch included; with ``user_group``
+    the program sets up torch.distributed itself first and keeps its group afterwards."""
+    if user_group:
+        torch.distributed.init_process_group("gloo")
     with _strategy() as strategy:
         model = make_mlp()
         mirrored_model, _, losses = train_mirrored(
@@ -40,6 +43,9 @@ def custom_loop(out: Path, optimizer: str = "sgd") -> None:
         )
         replicas = [r.state_dict() for r in mirrored_model.replicas]
         _save(strategy, out, {"losses": losses, "replicas": replicas})
+    if user_group:
+        assert torch.distributed.is_initialized(), "the strategy closed the program's group"
+        torch.distributed.destroy_process_group()
 
 
 class CountingDataset(TensorDataset):

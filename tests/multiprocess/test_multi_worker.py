@@ -43,14 +43,23 @@ def _assert_close(expected: dict[str, torch.Tensor], actual: dict[str, torch.Ten
 
 
 @pytest.mark.parametrize(
-    ("optimizer", "logical_devices", "cluster"),
-    [("sgd", 2, "torchrun"), ("adam", 2, "torchrun"), ("adam", 1, "tf_config")],
+    ("optimizer", "logical_devices", "cluster", "user_group"),
+    [
+        ("sgd", 2, "torchrun", ""),
+        ("adam", 2, "torchrun", ""),
+        ("adam", 1, "tf_config", ""),
+        ("sgd", 1, "torchrun", "the program's own process group"),
+    ],
 )
 def test_custom_loop_equals_one_device(
-    tmp_path: Path, optimizer: str, logical_devices: int, cluster: str
+    tmp_path: Path, optimizer: str, logical_devices: int, cluster: str, user_group: str
 ) -> None:
     workers = run_workers(
-        "custom_loop", tmp_path, args=[optimizer], logical_devices=logical_devices, cluster=cluster
+        "custom_loop",
+        tmp_path,
+        args=[optimizer, user_group],
+        logical_devices=logical_devices,
+        cluster=cluster,
     )
     assert_all_succeeded(workers)
     model = make_mlp()
