@@ -175,6 +175,7 @@ class WorkerGroup:
     def add_explainer(self, explain: Callable[[], str | None]) -> None:
         """``explain()``, a bound method, may name the cause of a failed collective (e.g. input
         that ran out); held weakly, so it goes with its object."""
+        self._explainers = [ref for ref in self._explainers if ref() is not None]
         self._explainers.append(weakref.WeakMethod(explain))
 
     @contextmanager
