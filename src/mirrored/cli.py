@@ -24,6 +24,10 @@ EXAMPLES = {
     "bert_mlm": "BERT-tiny masked-language model on 4 logical devices (the third article)",
     "mobilenet": "MobileNetV2 image classification, 64 images per replica (the fourth article)",
     "custom_training_loop": "an MLP with a hand-written loop on strategy.run",
+    "multi_worker_mobilenet": "MobileNetV2 on MultiWorkerMirroredStrategy, two workers (the fourth "
+    "article)",
+    "distributed_loop": "the second article's torch.distributed loop on "
+    "MultiWorkerMirroredStrategy",
 }
 
 
