@@ -187,8 +187,12 @@ class OverlappedGradientReducer:
                 self._next_launch += 1
 
     def _write_counts(self, r: int, b: int) -> None:
+        tail = self._buffers[r][b][self._numels[b] :]
         counts = [1.0 if self._fired[r][j] else 0.0 for j in self._buckets[b]]
-        self._buffers[r][b][self._numels[b] :].copy_(torch.tensor(counts))
+        if all(counts):  # the usual case: one fill, no host-to-device tensor
+            tail.fill_(1.0)
+        else:
+            tail.copy_(torch.tensor(counts))
 
     def _launch(self, b: int) -> None:
         """Sum bucket ``b`` over the local replicas (in replica order) and start its all-reduce."""

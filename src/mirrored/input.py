@@ -173,6 +173,10 @@ class DistributedDataset:
 class StepAgreement(Protocol):
     """How the workers of a multi-process job agree on each step of their input."""
 
+    def begin(self, num_steps: int | None) -> None:
+        """An iteration starts; ``num_steps`` is its length when the dataset knows it (then the
+        workers can agree once, instead of at every step)."""
+
     def batch(self, num_examples: int) -> int:
         """This worker has a batch of ``num_examples`` for the next step; returns the global
         batch size (raises if another worker's input ran out)."""
@@ -192,6 +196,8 @@ def distribute_global_batches(
     worker's ``devices`` hold shards ``first_shard ..`` of ``num_shards``)."""
 
     def batches() -> Iterator[Any]:
+        if agreement is not None:
+            agreement.begin(len(dataset) if isinstance(dataset, Sequence) else None)
         for batch in dataset:
             shards = split_batch(batch, devices, first_shard, num_shards)
             if agreement is not None:
@@ -212,6 +218,8 @@ def distribute_replica_batches(
     dealt round-robin over the pipelines."""
 
     def batches() -> Iterator[Any]:
+        if agreement is not None:
+            agreement.begin(None)
         iterators = [iter(d) for d in datasets]
         exhausted = False
         while not exhausted:
@@ -308,6 +316,8 @@ def distribute_loader_parts(
             persistent_workers=loader.persistent_workers,
             pin_memory_device=loader.pin_memory_device,
         )
+        if agreement is not None:
+            agreement.begin(len(part_loader))
         for part in part_loader:
             global_batch_size, kept = sizes.popleft()
             if not kept:

@@ -339,9 +339,11 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
 class _StepAgreement:
     """Checks that every worker's input yields the same number of steps.
 
-    For a global dataset (every worker sees the whole batch) the check of step ``k`` runs in the
-    background and is read at step ``k+1``, so it costs no wait; per-worker pipelines must agree
-    on the global batch size before each step, so there the check waits.
+    A dataset of known length (a list, a DataLoader over a map-style dataset) is checked once
+    per iteration: the workers compare lengths. Otherwise, for a global dataset (every worker
+    sees the whole batch) the check of step ``k`` runs in the background and is read at step
+    ``k+1``, so it costs no wait; per-worker pipelines must agree on the global batch size before
+    each step, so there the check waits.
     """
 
     def __init__(self, group: WorkerGroup, wait_for_global_size: bool) -> None:
@@ -349,9 +351,24 @@ class _StepAgreement:
         self._wait = wait_for_global_size
         self._pending: deque[tuple[list[torch.Tensor], PendingCollective]] = deque()
         self._steps = 0
+        self._per_step = True
         group.add_explainer(self._explain)
 
+    def begin(self, num_steps: int | None) -> None:
+        self._per_step = num_steps is None or self._wait
+        if self._per_step:
+            return
+        mine = torch.tensor([num_steps], dtype=torch.int64)
+        lengths = [int(p.item()) for p in self._group.all_gather(mine, "input: dataset lengths")]
+        if len(set(lengths)) > 1:
+            raise ValueError(
+                f"the workers' datasets have different lengths ({lengths}, by rank): every "
+                "worker must iterate the same global batches (the same dataset in every worker)"
+            )
+
     def batch(self, num_examples: int) -> int:
+        if not self._per_step:
+            return num_examples
         self._start(num_examples, has_batch=True)
         if self._wait:
             return sum(int(p[1].item()) for p in self._settle())
@@ -359,6 +376,8 @@ class _StepAgreement:
         return num_examples
 
     def end(self) -> None:
+        if not self._per_step:
+            return
         self._start(0, has_batch=False)
         self._settle()
 

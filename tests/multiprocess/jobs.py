@@ -213,13 +213,14 @@ def different_models(out: Path) -> None:
         strategy.mirror(module, torch.optim.SGD(module.parameters(), 0.1))
 
 
-def uneven_input(out: Path) -> None:
-    """Worker 1's dataset has one batch fewer."""
+def uneven_input(out: Path, kind: str) -> None:
+    """Worker 1's dataset has one batch fewer: a list (its length tells) or a generator."""
     with _strategy() as strategy:
         rank = strategy.worker_group.rank
         model = make_mlp()
         batches = make_batches()[: 5 if rank == 0 else 4]
-        train_mirrored(strategy, model, OPTIMIZERS["sgd"](model), batches)
+        data = batches if kind == "list" else (b for b in batches)
+        train_mirrored(strategy, model, OPTIMIZERS["sgd"](model), data)  # type: ignore[arg-type]
 
 
 def backup(out: Path, backup_dir: str) -> None:

@@ -191,9 +191,17 @@ def test_workers_with_different_models_fail_clearly(tmp_path: Path) -> None:
         assert "[3, 4]" in worker.output and "[2, 4]" in worker.output
 
 
-def test_workers_with_different_numbers_of_steps_fail_clearly(tmp_path: Path) -> None:
-    workers = run_workers("uneven_input", tmp_path)
-    message = "the input of worker(s) [1] ran out while worker(s) [0] still had batches"
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [
+        ("list", "the workers' datasets have different lengths ([5, 4], by rank)"),
+        ("generator", "the input of worker(s) [1] ran out while worker(s) [0] still had batches"),
+    ],
+)
+def test_workers_with_different_numbers_of_steps_fail_clearly(
+    tmp_path: Path, kind: str, message: str
+) -> None:
+    workers = run_workers("uneven_input", tmp_path, args=[kind])
     for worker in workers:
         assert worker.returncode != 0
         assert message in worker.output, worker.output
