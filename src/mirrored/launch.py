@@ -68,6 +68,8 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.launcher.api import LaunchConfig, launch_agent
 
+from mirrored.worker_group import loopback_interface
+
 __all__ = ["LaunchPlan", "add_arguments", "launch", "main", "run_arguments"]
 
 _BACKEND = "mirrored-static"  # our rendezvous handler's name in torch's registry
@@ -271,11 +273,6 @@ def _num_cpus() -> int:
     return os.cpu_count() or 1
 
 
-def _loopback_interface() -> str | None:
-    names = {name for _, name in socket.if_nameindex()}
-    return next((name for name in ("lo", "lo0") if name in names), None)
-
-
 @contextlib.contextmanager
 def _restored_process_state() -> Iterator[None]:
     """Undo what the elastic agent changes in the calling process: variables, signal handlers."""
@@ -303,7 +300,7 @@ def launch(plan: LaunchPlan) -> int:
         # torchrun sets 1; a share of the cores each keeps CPU workers from competing or idling.
         if plan.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
             os.environ["OMP_NUM_THREADS"] = str(max(1, _num_cpus() // plan.nproc_per_node))
-        loopback = _loopback_interface()
+        loopback = loopback_interface()
         if loopback and "GLOO_SOCKET_IFNAME" not in os.environ and _is_loopback(plan.master_addr):
             os.environ["GLOO_SOCKET_IFNAME"] = loopback
         config = LaunchConfig(

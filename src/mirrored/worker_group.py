@@ -322,6 +322,12 @@ def _connect_store(
     return store, (host, port)
 
 
+def loopback_interface() -> str | None:
+    """The loopback interface's name (``lo`` on Linux, ``lo0`` on macOS): GLOO_SOCKET_IFNAME."""
+    names = {name for _, name in socket.if_nameindex()}
+    return next((name for name in ("lo", "lo0") if name in names), None)
+
+
 def _is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host).is_loopback
@@ -333,12 +339,12 @@ def _is_loopback(host: str) -> bool:
 def _gloo_on_loopback(host: str, backend: str) -> Iterator[None]:
     """Bind gloo's sockets to the loopback interface when the rendezvous is on loopback (gloo
     otherwise binds the address the machine's hostname resolves to)."""
-    names = [name for _, name in socket.if_nameindex() if name.startswith("lo")]
+    name = loopback_interface()
     chosen = "GLOO_SOCKET_IFNAME" in os.environ
-    if backend != "gloo" or not _is_loopback(host) or not names or chosen:
+    if backend != "gloo" or not _is_loopback(host) or name is None or chosen:
         yield
         return
-    os.environ["GLOO_SOCKET_IFNAME"] = names[0]
+    os.environ["GLOO_SOCKET_IFNAME"] = name
     try:
         yield
     finally:
