@@ -39,7 +39,11 @@ def _environ() -> dict[str, str]:
 
 
 def _replica_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("mirrored-replica-")]
+    return [
+        t
+        for t in threading.enumerate()
+        if t.name.startswith(("mirrored-replica-", "mirrored-stage-"))
+    ]
 
 
 @pytest.fixture(autouse=True)

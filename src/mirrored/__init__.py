@@ -35,6 +35,8 @@ from mirrored.multi_worker import (
     CommunicationOptions,
     MultiWorkerMirroredStrategy,
 )
+from mirrored.pipeline import PipelinedModule, PipelinedOptimizer, PipelineStrategy
+from mirrored.pipeline_split import balance_by_time
 from mirrored.rendezvous import ReplicaAbortedError, SyncMismatchError, SyncTimeoutError
 from mirrored.strategy import Strategy
 from mirrored.training import Model
@@ -57,6 +59,9 @@ __all__ = [
     "MultiWorkerMirroredStrategy",
     "NcclAllReduce",
     "PerReplica",
+    "PipelineStrategy",
+    "PipelinedModule",
+    "PipelinedOptimizer",
     "ReduceOp",
     "ReductionToOneDevice",
     "ReplicaAbortedError",
@@ -67,6 +72,7 @@ __all__ = [
     "TFConfigClusterResolver",
     "TorchrunClusterResolver",
     "ValueContext",
+    "balance_by_time",
     "callbacks",
     "checkpoint",
     "compute_average_loss",

@@ -36,7 +36,14 @@ from mirrored.values import ReduceOp
 if TYPE_CHECKING:
     from mirrored.strategy import Strategy
 
-__all__ = ["MirroredModule", "MirroredOptimizer", "mirror_module"]
+__all__ = [
+    "MirroredModule",
+    "MirroredOptimizer",
+    "check_optimizer_params",
+    "mirror_module",
+    "replicate_optimizer",
+    "tensors_of",
+]
 
 
 def _replica_context_of(strategy: Strategy) -> ReplicaContext | None:
@@ -44,7 +51,7 @@ def _replica_context_of(strategy: Strategy) -> ReplicaContext | None:
     return replica if replica is not None and replica.strategy is strategy else None
 
 
-def _tensors_of(module: nn.Module) -> list[torch.Tensor]:
+def tensors_of(module: nn.Module) -> list[torch.Tensor]:
     """Parameters then buffers, in a fixed order that is the same on every replica."""
     return [p for _, p in module.named_parameters(remove_duplicate=False)] + [
         b for _, b in module.named_buffers(remove_duplicate=False)
@@ -187,10 +194,10 @@ class MirroredModule:
 
     def resync(self) -> None:
         """Copy replica 0's parameters and buffers into the other replicas."""
-        first = _tensors_of(self.replicas[0])
+        first = tensors_of(self.replicas[0])
         with torch.no_grad():
             for replica in self.replicas[1:]:
-                for mine, source in zip(_tensors_of(replica), first, strict=True):
+                for mine, source in zip(tensors_of(replica), first, strict=True):
                     mine.copy_(source)
 
     def train(self, mode: bool = True) -> MirroredModule:
@@ -417,7 +424,7 @@ def _check_dense(params: Sequence[nn.Parameter]) -> None:
             )
 
 
-def _replicate_optimizer(
+def replicate_optimizer(
     optimizer: torch.optim.Optimizer, mapping: dict[int, nn.Parameter]
 ) -> torch.optim.Optimizer:
     """A copy of ``optimizer`` over other parameters (``mapping``: id of original -> new)."""
@@ -439,6 +446,20 @@ def _load_own_copy(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any])
     optimizer.load_state_dict(copy.deepcopy(state_dict))
 
 
+def check_optimizer_params(module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """A ValueError if ``optimizer`` holds a parameter that is not ``module``'s."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer={type(optimizer).__name__}: expected a torch.optim.Optimizer")
+    owned = {id(p) for p in module.parameters()}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in owned:
+                raise ValueError(
+                    f"the optimizer holds a parameter of shape {tuple(p.shape)} that is not in "
+                    "the module; build the optimizer on model.parameters()"
+                )
+
+
 def mirror_module(
     strategy: Strategy,
     module: nn.Module,
@@ -451,18 +472,9 @@ def mirror_module(
         raise TypeError("module is already mirrored; pass the original nn.Module")
     if not isinstance(module, nn.Module):
         raise TypeError(f"module={type(module).__name__}: expected a torch.nn.Module")
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer={type(optimizer).__name__}: expected a torch.optim.Optimizer")
     params = list(module.parameters())
     if optimizer is not None:
-        owned = {id(p) for p in params}
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if id(p) not in owned:
-                    raise ValueError(
-                        f"the optimizer holds a parameter of shape {tuple(p.shape)} that is not in "
-                        "the module; build the optimizer on model.parameters()"
-                    )
+        check_optimizer_params(module, optimizer)
     if sync_batch_norm:
         module = convert_sync_batch_norm(module, strategy)
     devices = strategy.torch_devices
@@ -474,7 +486,7 @@ def mirror_module(
         return mirrored
     replica_params = [list(r.parameters()) for r in replicas]
     optimizers = [optimizer] + [
-        _replicate_optimizer(optimizer, {id(p): q for p, q in zip(params, rp, strict=True)})
+        replicate_optimizer(optimizer, {id(p): q for p, q in zip(params, rp, strict=True)})
         for rp in replica_params[1:]
     ]
     running = [running_stat_buffers(r) for r in replicas]

@@ -33,7 +33,7 @@ from mirrored.input import (
     distribute_replica_batches,
     shardable_loader,
 )
-from mirrored.mirror import MirroredModule, MirroredOptimizer, _tensors_of
+from mirrored.mirror import MirroredModule, MirroredOptimizer, tensors_of
 from mirrored.mirrored_strategy import MirroredStrategy
 from mirrored.rendezvous import ReplicaExchange
 from mirrored.values import PerReplica, ReduceOp, map_structure
@@ -296,7 +296,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         names = [n for n, _ in module.named_parameters(remove_duplicate=False)] + [
             n for n, _ in module.named_buffers(remove_duplicate=False)
         ]
-        tensors = _tensors_of(module)
+        tensors = tensors_of(module)
         mine = [[n, list(t.shape), str(t.dtype)] for n, t in zip(names, tensors, strict=True)]
         everyone = self._group.all_gather_json(mine, "mirror: model signatures")
         for rank, theirs in enumerate(everyone):

@@ -112,6 +112,19 @@ class Rendezvous:
                 waiting = min(self._posted)
                 self._abort_locked(self._mismatch_error(waiting, self._posted[waiting][0]))
 
+    def waiting(self) -> dict[int, str]:
+        """The replicas waiting at a sync point now, with its label; every replica when the
+        rendezvous is aborted (none of them will act on the step again)."""
+        with self._cond:
+            if self.abort_reason is not None:
+                return dict.fromkeys(range(self.num_replicas), "aborted")
+            return {replica_id: label for replica_id, (label, _) in self._posted.items()}
+
+    def finished(self) -> frozenset[int]:
+        """The replicas whose function has returned."""
+        with self._cond:
+            return frozenset(self._finished)
+
     def abort(self, reason: BaseException) -> None:
         """Release every waiting replica; the first reason wins."""
         with self._cond:

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from mirrored.gradient_reducer import OverlappedGradientReducer
     from mirrored.mirror import MirroredModule, MirroredOptimizer
 
-__all__ = ["Strategy", "default_strategy"]
+__all__ = ["Strategy", "add_note", "default_strategy"]
 
 OptimizerT = TypeVar("OptimizerT", bound=torch.optim.Optimizer)
 
@@ -50,6 +50,10 @@ class Replicated(Protocol):
 
 class Strategy:
     """Base class of all strategies: the contract of ``mirrored``'s front-ends."""
+
+    # Whether ``param.grad`` holds a replica's gradient between ``loss.backward()`` and
+    # ``optimizer.step()`` (so that it can be unscaled or clipped there).
+    gradients_after_backward = True
 
     def __init__(
         self,
@@ -178,7 +182,7 @@ class Strategy:
             for replicated in list(self._replicated):
                 replicated.resync()
         except Exception as resync_error:
-            _add_note(error, f"and resyncing the replicas afterwards failed: {resync_error!r}")
+            add_note(error, f"and resyncing the replicas afterwards failed: {resync_error!r}")
 
     def _usable(self) -> bool:
         """False once replicas are stuck in user code (their state cannot be trusted)."""
@@ -233,7 +237,7 @@ class Strategy:
             f"raised in replica {self._first_replica_id + replica_id} of "
             f"{self.num_replicas_in_sync} (device {self.devices[replica_id].short_name})"
         )
-        _add_note(error, note)
+        add_note(error, note)
         return error
 
     def _execute(self, tasks: Sequence[Callable[[], Any]], rendezvous: Rendezvous) -> list[Outcome]:
@@ -413,7 +417,7 @@ class Strategy:
         self.close()
 
 
-def _add_note(error: BaseException, note: str) -> None:
+def add_note(error: BaseException, note: str) -> None:
     """``error.add_note(note)``, on Python 3.10 too, once."""
     notes: list[str] = getattr(error, "__notes__", [])
     if note not in notes:

@@ -169,6 +169,12 @@ class Model:
         self._steps_per_execution = _positive_int("steps_per_execution", steps_per_execution)
         if precision not in PRECISIONS:
             raise ValueError(f"precision={precision!r}: expected one of {sorted(PRECISIONS)}")
+        if precision == "16-mixed" and not self.strategy.gradients_after_backward:
+            raise ValueError(
+                f"precision='16-mixed' unscales gradients between backward and the optimizer "
+                f"step, where {type(self.strategy).__name__} has not summed them yet; use "
+                "precision='bf16-mixed' (no loss scaling) or '32'"
+            )
         compiled_metrics = self._metrics("metrics", metrics, loss_object)
         compiled_weighted = self._metrics("weighted_metrics", weighted_metrics, loss_object)
         taken = {m.name for m in compiled_metrics} | {"loss"}

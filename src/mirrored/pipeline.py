@@ -1,0 +1,551 @@
+"""PipelineStrategy: a model's layers split into stages on several devices, micro-batched.
+
+For a model too big for one device (the articles' 784-512-256-10 MLP on three devices), an
+``nn.Sequential`` is cut into stages, one per device; each global batch is cut into
+micro-batches that flow through the stages, so the devices work at the same time (GPipe or 1F1B,
+see :mod:`mirrored.pipeline_schedule`). Several pipelines (``num_pipelines``) add data
+parallelism: each holds a copy of the model on its own devices, and their gradients are summed
+before the update.
+
+The user's step function is unchanged. Each micro-batch runs it as a replica of the strategy
+(``num_replicas_in_sync`` = pipelines x micro-batches): it calls the model, computes
+``compute_average_loss`` over the *global* batch, calls ``loss.backward()`` and
+``optimizer.step()``. The replicas of one pipeline share its model, so gradients are summed, not
+copied: they accumulate in the stages and reach ``param.grad`` at ``optimizer.step()``, the step's
+merge point, where the update is applied once per pipeline. So the parameters equal one device's
+on the same global batch, to float rounding. Code that reads or changes ``param.grad`` between
+``loss.backward()`` and ``optimizer.step()`` (clipping, unscaling) does not see the sum.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from mirrored import config
+from mirrored.config import DeviceSpec, LogicalDevice
+from mirrored.context import ReplicaContext, current_replica_context
+from mirrored.cross_device_ops import ReductionToOneDevice
+from mirrored.device_runtime import cap_process_memory
+from mirrored.mirror import (
+    MirroredModule,
+    MirroredOptimizer,
+    check_optimizer_params,
+    replicate_optimizer,
+)
+from mirrored.mirrored_strategy import default_devices
+from mirrored.pipeline_executor import Pipeline, PipelineRun, StageTimeline
+from mirrored.pipeline_schedule import SCHEDULES
+from mirrored.pipeline_split import (
+    balanced_split_points,
+    check_stages_chain,
+    meta_copy,
+    parameter_costs,
+    split_sequential,
+)
+from mirrored.randomness import ReplicaRandomness, StepSeed
+from mirrored.rendezvous import Rendezvous
+from mirrored.replica_workers import Outcome, ReplicaWorkers
+from mirrored.strategy import Strategy
+from mirrored.values import PerReplica, flatten, map_structure
+
+__all__ = ["PipelineStrategy", "PipelinedModule", "PipelinedOptimizer"]
+
+
+class PipelineStrategy(Strategy):
+    """Pipeline (model) parallelism, optionally data-parallel over several pipelines.
+
+    Args:
+        devices: ``num_pipelines`` x stages devices, pipeline by pipeline (pipeline 0's stages
+            first); None: every logical GPU, else every logical CPU device.
+        num_microbatches: micro-batches per pipeline and step; each global batch must hold at
+            least ``num_pipelines * num_microbatches`` examples.
+        schedule: "gpipe" (all forwards, then all backwards) or "1f1b" (the same bubble, stage
+            ``s`` of ``p`` holding at most ``p - s`` micro-batches' activations).
+        num_pipelines: data-parallel copies of the pipeline.
+        split: how ``mirror`` cuts an ``nn.Sequential``: "parameters" (balanced parameter
+            counts) or the indices where stages 2.. begin (``pipeline_split.balance_by_time``
+            measures them). A list of stage modules given to ``mirror`` is split as given.
+        recompute: keep only each stage's input and recompute its forward at the backward
+            (activation checkpointing: less memory, one more forward).
+        timeout_seconds: how long replicas and stages wait for each other before failing with
+            an error that names the one missing (None: forever).
+    """
+
+    gradients_after_backward = False
+
+    def __init__(
+        self,
+        devices: Sequence[DeviceSpec | LogicalDevice] | None = None,
+        num_microbatches: int = 4,
+        schedule: str = "gpipe",
+        *,
+        num_pipelines: int = 1,
+        split: str | Sequence[int] = "parameters",
+        recompute: bool = False,
+        timeout_seconds: float | None = 1800.0,
+    ) -> None:
+        if isinstance(devices, (str, torch.device)):
+            raise TypeError(
+                f"devices={devices!r}: expected a list of devices, such as [{str(devices)!r}]"
+            )
+        logical = config.resolve_devices(devices) if devices is not None else default_devices()
+        _check_positive_int("num_microbatches", num_microbatches)
+        _check_positive_int("num_pipelines", num_pipelines)
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule={schedule!r}: expected one of {list(SCHEDULES)}")
+        if len(logical) % num_pipelines:
+            raise ValueError(
+                f"{len(logical)} devices cannot hold {num_pipelines} pipelines of equal length; "
+                "pass num_pipelines x stages devices"
+            )
+        if not isinstance(split, str):
+            split = [int(point) for point in split]
+        elif split != "parameters":
+            raise ValueError(
+                f"split={split!r}: expected 'parameters' or a list of layer indices where "
+                "stages 2.. begin (mirrored.pipeline_split.balance_by_time measures them)"
+            )
+        self.num_microbatches = num_microbatches
+        self.num_pipelines = num_pipelines
+        self.num_stages = len(logical) // num_pipelines
+        self.schedule = schedule
+        self.split = split
+        self.recompute = recompute
+        self.stage_devices = tuple(
+            tuple(logical[p * self.num_stages : (p + 1) * self.num_stages])
+            for p in range(num_pipelines)
+        )
+        replica_devices = [
+            stages[0] for stages in self.stage_devices for _ in range(num_microbatches)
+        ]
+        super().__init__(replica_devices, ReductionToOneDevice(), timeout_seconds)
+        config.mark_in_use(logical)
+        cap_process_memory(logical)
+        cpu_stages = sum(1 for d in logical if d.device_type == "CPU") or 1
+        self._stage_threads = max(1, torch.get_num_threads() // cpu_stages)
+        self._randomness = [
+            ReplicaRandomness(i, d.torch_device) for i, d in enumerate(replica_devices)
+        ]
+        self._workers = ReplicaWorkers(
+            [
+                f"pipeline{p}-microbatch{k}"
+                for p in range(num_pipelines)
+                for k in range(num_microbatches)
+            ]
+        )
+        self._pipelines: list[Pipeline] = []
+        # Stop the threads when the strategy is collected without close().
+        self._finalizer = weakref.finalize(self, _stop, self._workers, self._pipelines)
+        self._modules: list[nn.Sequential] = []  # each pipeline's whole model
+        self._meta_stages: list[nn.Module] = []
+        self._layer_ranges: list[tuple[int, int]] = []
+        self._checked_inputs: set[Any] = set()
+        self._check_lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        stages = [[d.short_name for d in pipeline] for pipeline in self.stage_devices]
+        return (
+            f"PipelineStrategy(stages={stages}, num_microbatches={self.num_microbatches}, "
+            f"schedule={self.schedule!r}, recompute={self.recompute})"
+        )
+
+    # -- running ----------------------------------------------------------------------------------
+    def run(
+        self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        """Run ``fn`` once per micro-batch of every pipeline (see ``Strategy.run``); a batch
+        with fewer examples than micro-batches is refused before any compute."""
+        for leaf in flatten((tuple(args) if isinstance(args, (tuple, list)) else args, kwargs)):
+            if isinstance(leaf, PerReplica) and any(
+                isinstance(v, torch.Tensor) and v.dim() and not len(v) for v in leaf.values
+            ):
+                total = sum(len(v) for v in leaf.values)
+                raise ValueError(
+                    f"a global batch of {total} examples is smaller than the "
+                    f"{self.num_replicas_in_sync} micro-batches ({self.num_pipelines} pipeline(s) "
+                    f"x num_microbatches={self.num_microbatches}); use larger batches, drop the "
+                    "last batch (DataLoader(drop_last=True)), or fewer micro-batches"
+                )
+        return super().run(fn, args, kwargs)
+
+    def _execute(self, tasks: Sequence[Callable[[], Any]], rendezvous: Rendezvous) -> list[Outcome]:
+        step_seed = StepSeed()
+        for randomness in self._randomness:
+            randomness.start_step(step_seed)
+        deadline = None if self.timeout_seconds is None else time.monotonic() + self.timeout_seconds
+        for p, pipeline in enumerate(self._pipelines):
+            streams = [
+                torch.cuda.current_stream(d.torch_device) if d.device_type == "GPU" else None
+                for d in self.stage_devices[p]
+            ]
+            pipeline.begin_run(
+                PipelineRun(
+                    rendezvous,
+                    p * self.num_microbatches,
+                    self.num_microbatches,
+                    step_seed,
+                    self.num_replicas_in_sync,
+                    streams,
+                )
+            )
+        try:
+            outcomes = self._workers.run(tasks, self.timeout_seconds, rendezvous.abort)
+            if all(ok for ok, _ in outcomes) and self._pipelines:
+                # Gradients of backwards with no optimizer.step() in the run: into param.grad.
+                self._apply_gradients(deadline)
+            return outcomes
+        finally:
+            for pipeline in self._pipelines:
+                pipeline.end_run()
+
+    @contextmanager
+    def _replica_scope(self, replica_id: int) -> Iterator[None]:
+        if self.num_replicas_in_sync == 1:
+            yield
+            return
+        with self._randomness[replica_id]:
+            yield
+
+    def _usable(self) -> bool:
+        return self._workers.broken is None
+
+    def _locate(self, replica: ReplicaContext) -> tuple[int, int]:
+        """(pipeline, micro-batch) of a replica."""
+        return divmod(replica.local_replica_id, self.num_microbatches)
+
+    def _forward(
+        self, replica: ReplicaContext, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """The model's output on a micro-batch, from the stages of the replica's pipeline."""
+        p, k = self._locate(replica)
+        pipeline = self._pipelines[p]
+        self._check_input(args, kwargs)
+        grad = torch.is_grad_enabled() and any(
+            param.requires_grad
+            for stage in pipeline.executors
+            for param in stage.stage.parameters()
+        )
+        if not grad:
+            output, _ = pipeline.forward(k, args, kwargs, grad_enabled=False)
+            return output
+        holder: dict[str, Any] = {}
+        anchor = torch.zeros((), requires_grad=True)
+        tensors = iter(_PipelineOutput.apply(pipeline, k, args, kwargs, holder, anchor))
+        return map_structure(
+            lambda v: next(tensors) if isinstance(v, torch.Tensor) else v, holder["output"]
+        )
+
+    def _check_input(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Refuse inputs that need a gradient, and check (once per input signature, on the meta
+        device) that the stages chain, before any compute."""
+        leaves = [v for v in flatten((args, kwargs)) if isinstance(v, torch.Tensor)]
+        if any(v.requires_grad for v in leaves):
+            raise ValueError(
+                "a pipelined model's inputs must not require grad (the pipeline does not send "
+                "gradients back to them); pass data, or move the layers that make them into "
+                "the model"
+            )
+        signature = tuple((tuple(v.shape), v.dtype) for v in leaves)
+        with self._check_lock:
+            if signature in self._checked_inputs:
+                return
+            check_stages_chain(self._meta_stages, self._layer_ranges, args, kwargs)
+            self._checked_inputs.add(signature)
+
+    def _step(self, replica: ReplicaContext, optimizer: PipelinedOptimizer) -> None:
+        """``optimizer.step()`` on every replica: once all are here, the first sums the
+        pipelines' gradients and updates each pipeline once."""
+        snapshot = None
+        if replica.local_replica_id == 0:
+            snapshot = [
+                {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups
+            ]
+        replica.exchange.all("optimizer.step", snapshot)
+        if replica.local_replica_id == 0:
+            deadline = (
+                None if self.timeout_seconds is None else time.monotonic() + self.timeout_seconds
+            )
+            try:
+                self._apply_gradients(deadline)
+                assert snapshot is not None
+                for other in optimizer.optimizers[1:]:
+                    for group, values in zip(other.param_groups, snapshot, strict=True):
+                        group.update(values)
+                for each in optimizer.optimizers:
+                    each.step()
+            except BaseException as error:
+                replica.exchange.rendezvous.abort(error)
+                raise
+        replica.exchange.barrier("optimizer.step: pipelines updated")
+
+    def _apply_gradients(self, deadline: float | None) -> None:
+        """Wait for the stages, then add the gradients summed over every micro-batch of every
+        pipeline (in a fixed order) to each pipeline's ``param.grad``."""
+        index = [
+            {id(param): i for i, param in enumerate(module.parameters())}
+            for module in self._modules
+        ]
+        totals: dict[int, torch.Tensor] = {}
+        for p, pipeline in enumerate(self._pipelines):
+            for param, grad in pipeline.take_gradients(deadline):
+                i = index[p][id(param)]
+                if i in totals:
+                    totals[i] = totals[i] + grad.to(totals[i].device)
+                else:
+                    totals[i] = grad
+        params = [list(module.parameters()) for module in self._modules]
+        for i, total in totals.items():
+            for p in range(self.num_pipelines):
+                param = params[p][i]
+                grad = total if p == 0 else total.to(param.device, copy=True)
+                if param.grad is None:
+                    param.grad = grad
+                else:
+                    param.grad.add_(grad)
+
+    # -- models -----------------------------------------------------------------------------------
+    def mirror(
+        self,
+        module: nn.Module | Sequence[nn.Module],
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        sync_batch_norm: bool = False,
+    ) -> Any:
+        """Cut ``module`` (an ``nn.Sequential``, or a list of stage modules) into stages on
+        this strategy's devices, copy it for every other pipeline, and return the model and
+        optimizer proxies. ``state_dict()`` gives the plain model's state."""
+        if sync_batch_norm:
+            raise ValueError(
+                "sync_batch_norm=True: a pipeline normalises each micro-batch on its stage; "
+                "batch statistics across micro-batches are not synchronised"
+            )
+        sequential, points = self._plan(module)
+        if optimizer is not None:
+            check_optimizer_params(sequential, optimizer)
+        modules = [sequential] + [copy.deepcopy(sequential) for _ in range(self.num_pipelines - 1)]
+        for pipeline in self._pipelines:
+            pipeline.close()
+        self._pipelines.clear()
+        stage_lists = []
+        for p, copy_p in enumerate(modules):
+            stages = split_sequential(copy_p, points)
+            _place(stages, self.stage_devices[p])
+            stage_lists.append(stages)
+        bounds = [0, *points, len(sequential)]
+        self._layer_ranges = list(itertools.pairwise(bounds))
+        self._meta_stages = [meta_copy(stage) for stage in stage_lists[0]]
+        self._checked_inputs = set()
+        self._modules = modules
+        self._pipelines.extend(
+            Pipeline(
+                stages,
+                self.stage_devices[p],
+                self.schedule,
+                self.recompute,
+                self._stage_threads,
+                p,
+                self.num_pipelines,
+            )
+            for p, stages in enumerate(stage_lists)
+        )
+        model = PipelinedModule(self, modules)
+        self.track_replicated(model)
+        if optimizer is None:
+            return model
+        originals = list(sequential.parameters())
+        optimizers = [optimizer] + [
+            replicate_optimizer(
+                optimizer, {id(a): b for a, b in zip(originals, m.parameters(), strict=True)}
+            )
+            for m in modules[1:]
+        ]
+        params = [list(m.parameters()) for m in modules]
+        pipelined = PipelinedOptimizer(self, optimizers, params, [[] for _ in modules])
+        self.track_replicated(pipelined)
+        return model, pipelined
+
+    def _plan(self, module: nn.Module | Sequence[nn.Module]) -> tuple[nn.Sequential, list[int]]:
+        """The model as one ``nn.Sequential`` and where its stages begin."""
+        if isinstance(module, (list, tuple)):
+            if len(module) != self.num_stages or not all(isinstance(m, nn.Module) for m in module):
+                raise ValueError(
+                    f"got {len(module)} stage module(s) for {self.num_stages} stages "
+                    f"({self.num_stages * self.num_pipelines} devices / {self.num_pipelines} "
+                    "pipeline(s)); pass one nn.Module per stage"
+                )
+            return nn.Sequential(*module), list(range(1, self.num_stages))
+        if isinstance(module, MirroredModule):
+            raise TypeError("module is already mirrored; pass the original nn.Module")
+        if not isinstance(module, nn.Sequential):
+            raise TypeError(
+                f"module={type(module).__name__}: PipelineStrategy cuts an nn.Sequential (or a "
+                "list of stage modules) into stages; express the model as nn.Sequential"
+            )
+        if isinstance(self.split, str):
+            return module, balanced_split_points(parameter_costs(list(module)), self.num_stages)
+        if len(self.split) != self.num_stages - 1:
+            raise ValueError(
+                f"split={self.split}: {self.num_stages} stages need {self.num_stages - 1} split "
+                "point(s)"
+            )
+        return module, list(self.split)
+
+    def stage_timelines(self) -> list[list[StageTimeline]]:
+        """Per pipeline and stage: the operations of the last run (times, activation peak)."""
+        return [pipeline.timelines() for pipeline in self._pipelines]
+
+    # -- lifetime ---------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the replica and stage threads; the strategy cannot run afterwards."""
+        if current_replica_context() is not None:
+            raise RuntimeError(
+                "strategy.close() was called inside a replica function; close the strategy "
+                "from the training loop, after strategy.run() returns"
+            )
+        if self._finalizer.detach() is not None:
+            _stop(self._workers, self._pipelines)
+
+
+def _stop(workers: ReplicaWorkers, pipelines: list[Pipeline]) -> None:
+    """End the replica and stage threads (without a reference to the strategy)."""
+    workers.close(wait=True)
+    for pipeline in pipelines:
+        pipeline.close()
+
+
+class _PipelineOutput(torch.autograd.Function):
+    """Ties a micro-batch's output to autograd: its backward hands the output's gradient to the
+    last stage and returns at once; the stages' threads do the rest."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        pipeline: Pipeline,
+        microbatch: int,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        holder: dict[str, Any],
+        anchor: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        output, key = pipeline.forward(microbatch, args, kwargs, grad_enabled=True)
+        holder["output"] = output
+        ctx.pipeline, ctx.key, ctx.output = pipeline, key, output
+        tensors = [v for v in flatten(output) if isinstance(v, torch.Tensor)]
+        ctx.mark_non_differentiable(
+            *[t for t in tensors if not (t.is_floating_point() or t.is_complex())]
+        )
+        ctx.set_materialize_grads(False)
+        return tuple(tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, ...]:
+        received = iter(grads)
+        structured = map_structure(
+            lambda v: next(received) if isinstance(v, torch.Tensor) else None, ctx.output
+        )
+        ctx.pipeline.backward(ctx.key, structured)
+        return (None,) * 6
+
+
+class PipelinedModule(MirroredModule):
+    """The model of a ``PipelineStrategy``: one full model per pipeline (its layers on the
+    pipeline's stage devices). Calls inside ``strategy.run`` go through the pipeline of the
+    current replica; outside, the layers run one stage after another on the caller's thread.
+    Everything else is as for a mirrored module (``state_dict`` is the plain model's)."""
+
+    def _current(self) -> nn.Module:
+        replica = current_replica_context()
+        if replica is None or replica.strategy is not self._strategy:
+            return self.replicas[0]
+        return self.replicas[self._strategy._locate(replica)[0]]  # type: ignore[attr-defined]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        strategy: PipelineStrategy = self._strategy
+        replica = current_replica_context()
+        if replica is not None and replica.strategy is strategy:
+            return strategy._forward(replica, args, kwargs)
+        return _forward_in_turn(strategy, args, kwargs)
+
+    def __repr__(self) -> str:
+        return f"PipelinedModule(pipelines={len(self.replicas)}, module={self.replicas[0]!r})"
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The current pipeline's gradients inside ``strategy.run`` (cleared once, by its first
+        micro-batch), every pipeline's outside."""
+        for index in _pipelines_to_zero(self._strategy):
+            self.replicas[index].zero_grad(set_to_none=set_to_none)
+
+
+def _forward_in_turn(
+    strategy: PipelineStrategy, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """Pipeline 0's stages one after another on the caller's thread (outside ``run``)."""
+    value: Any = None
+    for s, executor in enumerate(strategy._pipelines[0].executors):
+        moved = _to_device((args, kwargs) if s == 0 else value, executor.device.torch_device)
+        value = executor.stage(*moved[0], **moved[1]) if s == 0 else executor.stage(moved)
+    return _to_device(value, strategy.stage_devices[0][0].torch_device)
+
+
+def _to_device(structure: Any, device: torch.device) -> Any:
+    return map_structure(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, structure)
+
+
+class PipelinedOptimizer(MirroredOptimizer):
+    """One optimizer per pipeline; ``step()`` on every micro-batch is the step's merge point:
+    the gradients of all micro-batches of all pipelines are summed, and each pipeline is
+    updated once."""
+
+    def _step(self, replica: ReplicaContext) -> Any:
+        self._strategy._step(replica, self)  # type: ignore[attr-defined]
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The current pipeline's gradients inside ``strategy.run``, every pipeline's outside
+        (see ``PipelinedModule.zero_grad``)."""
+        for index in _pipelines_to_zero(self._strategy):
+            self.optimizers[index].zero_grad(set_to_none=set_to_none)
+
+
+def _pipelines_to_zero(strategy: Strategy) -> list[int]:
+    """Which pipelines' gradients a ``zero_grad()`` call clears: inside a run, the caller's
+    pipeline, by its first micro-batch only (the micro-batches share the parameters, and the
+    step's sums reach ``param.grad`` only at ``optimizer.step()``, so one clearing is all the
+    others' too); outside a run, every pipeline."""
+    assert isinstance(strategy, PipelineStrategy)
+    replica = current_replica_context()
+    if replica is None or replica.strategy is not strategy:
+        return list(range(strategy.num_pipelines))
+    pipeline, microbatch = strategy._locate(replica)
+    return [pipeline] if microbatch == 0 else []
+
+
+def _place(stages: Sequence[nn.Module], devices: Sequence[LogicalDevice]) -> None:
+    """Move each stage to its device; a parameter shared by stages on different devices is an
+    error (it would sit on one of them only)."""
+    home: dict[int, tuple[int, torch.device]] = {}
+    for s, (stage, device) in enumerate(zip(stages, devices, strict=True)):
+        for param in stage.parameters():
+            previous = home.setdefault(id(param), (s, device.torch_device))
+            if previous[1] != device.torch_device:
+                raise ValueError(
+                    f"a parameter of shape {tuple(param.shape)} is shared by stages {previous[0]} "
+                    f"and {s}, which sit on different devices ({previous[1]} and "
+                    f"{device.torch_device}); put the layers that share it in one stage"
+                )
+        stage.to(device.torch_device)
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r}: expected an integer >= 1")
