@@ -315,3 +315,16 @@ def test_close_stops_every_thread():
     strategy.close()
     names = [t.name for t in threading.enumerate()]
     assert not [n for n in names if n.startswith(("mirrored-stage-", "mirrored-replica-"))]
+
+
+def test_a_parameter_shared_by_stages_on_different_devices_is_refused():
+    from types import SimpleNamespace
+
+    from mirrored.pipeline import _place
+
+    shared = nn.Linear(4, 4)
+    stages = [nn.Sequential(shared), nn.Sequential(nn.ReLU(), shared)]
+    devices = [SimpleNamespace(torch_device=torch.device(d)) for d in ("cpu", "meta")]
+    with pytest.raises(ValueError, match="shared by stages 0 and 1"):
+        _place(stages, devices)
+    assert shared.weight.device.type == "cpu"
