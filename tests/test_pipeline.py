@@ -328,3 +328,28 @@ def test_a_parameter_shared_by_stages_on_different_devices_is_refused():
     with pytest.raises(ValueError, match="shared by stages 0 and 1"):
         _place(stages, devices)
     assert shared.weight.device.type == "cpu"
+
+
+def test_a_stage_stuck_past_the_timeout_fails_the_run_and_is_named():
+    import threading
+
+    release = threading.Event()
+
+    class Stuck(nn.Module):
+        def forward(self, x):
+            if x.device.type != "meta":  # the shape check runs the stages on meta tensors
+                release.wait(30)
+            return x
+
+    net = nn.Sequential(nn.Linear(12, 8), nn.Linear(8, 8), Stuck())
+    strategy = _pipeline(num_microbatches=2, timeout_seconds=1)
+    try:
+        model = strategy.mirror(net)
+        batch = next(iter(strategy.experimental_distribute_dataset(make_batches(num_examples=8))))
+        with pytest.raises(mirrored.SyncTimeoutError, match="stage 2 on cpu:2: F of micro-batch 0"):
+            strategy.run(lambda b: model(b[0]), args=(batch,))
+        with pytest.raises(RuntimeError, match=r"unusable: pipeline stages on \['cpu:2'\]"):
+            strategy.run(lambda b: model(b[0]), args=(batch,))
+    finally:
+        release.set()
+        strategy.close()

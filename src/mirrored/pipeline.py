@@ -151,6 +151,7 @@ class PipelineStrategy(Strategy):
         self._layer_ranges: list[tuple[int, int]] = []
         self._checked_inputs: set[Any] = set()
         self._check_lock = threading.Lock()
+        self._stuck_stages: list[str] = []
 
     def __repr__(self) -> str:
         stages = [[d.short_name for d in pipeline] for pipeline in self.stage_devices]
@@ -179,6 +180,11 @@ class PipelineStrategy(Strategy):
         return super().run(fn, args, kwargs)
 
     def _execute(self, tasks: Sequence[Callable[[], Any]], rendezvous: Rendezvous) -> list[Outcome]:
+        if self._stuck_stages:
+            raise RuntimeError(
+                f"the strategy is unusable: pipeline stages on {self._stuck_stages} are stuck in "
+                "an operation; create a new strategy"
+            )
         step_seed = StepSeed()
         for randomness in self._randomness:
             randomness.start_step(step_seed)
@@ -205,8 +211,10 @@ class PipelineStrategy(Strategy):
                 self._apply_gradients(deadline)
             return outcomes
         finally:
-            for pipeline in self._pipelines:
-                pipeline.end_run()
+            end = None if self.timeout_seconds is None else time.monotonic() + self.timeout_seconds
+            stuck = [name for pipeline in self._pipelines for name in pipeline.end_run(end)]
+            if stuck:
+                self._stuck_stages = stuck
 
     @contextmanager
     def _replica_scope(self, replica_id: int) -> Iterator[None]:
@@ -217,7 +225,7 @@ class PipelineStrategy(Strategy):
             yield
 
     def _usable(self) -> bool:
-        return self._workers.broken is None
+        return self._workers.broken is None and not self._stuck_stages
 
     def _locate(self, replica: ReplicaContext) -> tuple[int, int]:
         """(pipeline, micro-batch) of a replica."""

@@ -28,7 +28,7 @@ from mirrored.config import LogicalDevice
 from mirrored.device_runtime import ReplicaDeviceRuntime
 from mirrored.pipeline_schedule import Action, StageState, next_action
 from mirrored.randomness import ReplicaRandomness, StepSeed
-from mirrored.rendezvous import Rendezvous, ReplicaAbortedError
+from mirrored.rendezvous import Rendezvous, ReplicaAbortedError, SyncTimeoutError
 from mirrored.strategy import add_note
 from mirrored.values import flatten, map_structure
 
@@ -105,11 +105,20 @@ class _Result:
         self._value, self._error = value, error
         self._done.set()
 
-    def wait(self, rendezvous: Rendezvous) -> Any:
+    def wait(self, rendezvous: Rendezvous, describe: Callable[[], str]) -> Any:
+        """The value, once set; a ``SyncTimeoutError`` after the rendezvous's timeout, naming
+        what the stages are doing (``describe``)."""
+        timeout = rendezvous.timeout_seconds
+        deadline = None if timeout is None else time.monotonic() + timeout
         while not self._done.wait(0.05):
             if rendezvous.abort_reason is not None:
                 raise ReplicaAbortedError("released because another replica failed") from (
                     rendezvous.abort_reason
+                )
+            if deadline is not None and time.monotonic() > deadline:
+                raise SyncTimeoutError(
+                    f"a micro-batch's forward did not come back from the pipeline within "
+                    f"{timeout} s; {describe()}"
                 )
         if self._error is not None:
             raise self._error
@@ -154,6 +163,7 @@ class StageExecutor:
         self._grads: dict[int, torch.Tensor] = {}
         self._activation_bytes = 0
         self.timeline = StageTimeline(device.short_name)
+        self.current: Action | None = None  # the operation running now
         self._thread = threading.Thread(
             target=self._loop, name=f"mirrored-stage-{index}-{device.short_name}", daemon=True
         )
@@ -210,16 +220,20 @@ class StageExecutor:
             grads, self._grads = self._grads, {}
         return [(self._params[i], g) for i, g in sorted(grads.items())]
 
-    def end_run(self) -> None:
-        """Forget the run's operations and activations (the run is over or failed)."""
+    def end_run(self, deadline: float | None) -> bool:
+        """Forget the run's operations and activations (the run is over or failed); False if
+        an operation is still running at ``deadline`` (stuck in the stage's code)."""
         with self._cond:
+            self._run = None  # nothing more is scheduled
             while self._busy:
+                if deadline is not None and time.monotonic() > deadline:
+                    return False
                 self._cond.wait(_POLL_SECONDS)
-            self._run = None
             self._forwards.clear()
             self._backwards.clear()
             self._saved.clear()
             self._grads.clear()
+        return True
 
     def close(self) -> None:
         with self._cond:
@@ -265,12 +279,14 @@ class StageExecutor:
                 run = self._run
                 work = self._take(action)
                 self._busy = True
+                self.current = action
             try:
                 if work is not None:
                     work(run)
             finally:
                 with self._cond:
                     self._busy = False
+                    self.current = None
                     self._cond.notify_all()
 
     def _take(self, action: Action) -> Callable[[PipelineRun], None] | None:
@@ -484,7 +500,7 @@ class Pipeline:
             self._rounds[microbatch] += 1
             result = self._results[key] = _Result()
         self.executors[0].submit_forward(key, _Handoff((args, kwargs)), grad_enabled)
-        output = result.wait(run.rendezvous)
+        output = result.wait(run.rendezvous, self.describe)
         return output.receive(self.devices[0].torch_device), key
 
     def forward_done(
@@ -555,14 +571,24 @@ class Pipeline:
                 torch.cuda.current_stream(stream.device).wait_stream(stream)
         return [pair for executor in self.executors for pair in executor.take_gradients()]
 
-    def end_run(self) -> None:
-        for executor in self.executors:
-            executor.end_run()
+    def end_run(self, deadline: float | None) -> list[str]:
+        """Forget the run; the devices of stages still stuck in an operation at ``deadline``."""
+        stuck = [e.device.short_name for e in self.executors if not e.end_run(deadline)]
         with self._lock:
             self._run = None
             for waiter in self._results.values():
                 waiter.set(error=RuntimeError("the run ended before this micro-batch's forward"))
             self._results = {}
+        return stuck
+
+    def describe(self) -> str:
+        """What each stage is running now (for timeout errors)."""
+        parts = []
+        for executor in self.executors:
+            action = executor.current
+            doing = "idle" if action is None else f"{action.kind} of micro-batch {action.key[1]}"
+            parts.append(f"stage {executor.index} on {executor.device.short_name}: {doing}")
+        return "; ".join(parts)
 
     def timelines(self) -> list[StageTimeline]:
         return [executor.timeline for executor in self.executors]
