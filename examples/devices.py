@@ -16,7 +16,13 @@ import mirrored
 from mirrored import config
 from mirrored.config import LogicalDevice, PhysicalDevice
 
-__all__ = ["add_device_arguments", "logical_devices", "positive_int", "strategy_from_arguments"]
+__all__ = [
+    "add_device_arguments",
+    "devices_from_arguments",
+    "logical_devices",
+    "positive_int",
+    "strategy_from_arguments",
+]
 
 
 def positive_int(text: str) -> int:
@@ -79,8 +85,9 @@ def logical_devices(
     return available[:count]
 
 
-def strategy_from_arguments(args: argparse.Namespace) -> mirrored.MirroredStrategy:
-    """The MirroredStrategy the flags ask for."""
+def devices_from_arguments(args: argparse.Namespace) -> list[str] | list[LogicalDevice]:
+    """The devices the flags name: ``--devices N`` GPUs where there are any (every GPU by
+    default when ``all_gpus_by_default``), else N logical devices of the first GPU or the CPU."""
     gpus = [] if args.cpu else config.list_physical_devices("GPU")
     physical_count = args.devices
     if physical_count is None and args.logical_devices is None and args.all_gpus_by_default:
@@ -88,7 +95,12 @@ def strategy_from_arguments(args: argparse.Namespace) -> mirrored.MirroredStrate
     if physical_count is not None and gpus:
         if physical_count > len(gpus):
             raise ValueError(f"--devices {physical_count}: this machine has {len(gpus)} GPU(s)")
-        return mirrored.MirroredStrategy([f"gpu:{i}" for i in range(physical_count)])
+        return [f"gpu:{i}" for i in range(physical_count)]
     count = physical_count or args.logical_devices or args.default_logical
     physical = gpus[0] if gpus else config.list_physical_devices("CPU")[0]
-    return mirrored.MirroredStrategy(logical_devices(physical, count, args.memory_limit))
+    return logical_devices(physical, count, args.memory_limit)
+
+
+def strategy_from_arguments(args: argparse.Namespace) -> mirrored.MirroredStrategy:
+    """The MirroredStrategy the flags ask for."""
+    return mirrored.MirroredStrategy(devices_from_arguments(args))

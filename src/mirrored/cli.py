@@ -28,6 +28,8 @@ EXAMPLES = {
     "article)",
     "distributed_loop": "the second article's torch.distributed loop on "
     "MultiWorkerMirroredStrategy",
+    "model_parallel": "the second article's 784-512-256-10 MLP split across 3 devices "
+    "(PipelineStrategy)",
 }
 
 
