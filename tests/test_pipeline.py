@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mirrored
-from mirrored.pipeline_split import StageShapeError
+from mirrored.pipeline_split import StageShapeError, balanced_split_points, parameter_costs
 from tests.reference_loops import (
     OPTIMIZERS,
     assert_replicas_identical,
@@ -91,6 +91,43 @@ def test_balance_by_time_and_by_parameters_give_valid_splits():
         strategy.mirror(net)
         ranges = strategy._layer_ranges
     assert ranges == [(0, 2), (2, 4), (4, 6)]  # equal parameter counts: two layers each
+
+
+def test_parameter_split_balances_every_stage_and_keeps_activations_with_their_layer():
+    # The article's MLP: one Linear (and its ReLU) per stage, not [Linear] | [ReLU] | [the rest].
+    mlp = nn.Sequential(
+        nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 10)
+    )
+    assert balanced_split_points(parameter_costs(list(mlp)), 3) == [2, 4]
+    assert balanced_split_points([5, 0, 0, 5], 2) == [3]
+    assert balanced_split_points([1] * 7, 3) == [3, 5]
+    assert balanced_split_points([9, 1, 1, 1, 1, 1], 2) == [1]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_activation_memory_per_stage_follows_the_schedule(schedule):
+    # Three equal stages, 8 equal micro-batches: a micro-batch keeps the stage input (which the
+    # Linear saves too: counted once) and the ReLU's output, 8 x 32 floats each, at every stage.
+    per_microbatch = 2 * 8 * 32 * 4
+    torch.manual_seed(0)
+    stages = [nn.Sequential(nn.Linear(32, 32), nn.ReLU()) for _ in range(3)]
+    optimizer = torch.optim.SGD([p for stage in stages for p in stage.parameters()], lr=0.1)
+    batches = [(torch.randn(64, 32), torch.randint(0, 32, (64,))) for _ in range(3)]
+    with _pipeline(num_microbatches=8, schedule=schedule) as strategy:
+        model, optimizer = strategy.mirror(stages, optimizer)
+        for batch in strategy.experimental_distribute_dataset(batches):
+            strategy.run(_train_step(model, optimizer), args=(batch,))
+            (timelines,) = strategy.stage_timelines()
+            for s, timeline in enumerate(timelines):
+                bound = 8 if schedule == "gpipe" else 3 - s
+                held = peak = 0
+                for op in sorted(timeline.ops, key=lambda op: op.start):
+                    held += 1 if op.kind == "F" else -1
+                    peak = max(peak, held)
+                assert peak <= bound, f"stage {s} held {peak} micro-batches, bound {bound}"
+                assert timeline.peak_activation_bytes <= bound * per_microbatch
+                if schedule == "gpipe" or s == 2:  # these always reach their bound
+                    assert timeline.peak_activation_bytes == bound * per_microbatch
 
 
 def _train_step(model, optimizer):

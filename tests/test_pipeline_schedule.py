@@ -21,7 +21,9 @@ class Simulation:
 
 def simulate(schedule: str, num_stages: int, num_microbatches: int, backward: bool = True):
     """Micro-batch threads send their input at time 0; each one's loss (and backward) starts as
-    soon as its output comes back; with ``backward=False`` a thread finishes there instead."""
+    soon as its output comes back; with ``backward=False`` a thread finishes there instead.
+    A thread that sent its backward waits in ``optimizer.step()`` (idle) while its backward is
+    still coming down the stages, as in the real step."""
     states = [
         StageState(schedule, s, num_stages, [0] * num_microbatches, set(), set(), set())
         for s in range(num_stages)
@@ -29,6 +31,7 @@ def simulate(schedule: str, num_stages: int, num_microbatches: int, backward: bo
     for k in range(num_microbatches):
         states[0].waiting_forwards.add((0, k))
     finished: set[int] = set()
+    coming: set[int] = set()
     busy: list[tuple[int, Action] | None] = [None] * num_stages
     orders: list[list[str]] = [[] for _ in range(num_stages)]
     peak = [0] * num_stages
@@ -43,14 +46,19 @@ def simulate(schedule: str, num_stages: int, num_microbatches: int, backward: bo
             if action.kind == "F":
                 if s + 1 < num_stages:
                     states[s + 1].waiting_forwards.add(action.key)
-                elif backward:
-                    states[s].waiting_backwards.add(action.key)
                 else:
+                    if backward:
+                        states[s].waiting_backwards.add(action.key)
+                        coming.add(action.key[1])
                     finished.add(action.key[1])
             elif s > 0:
                 states[s - 1].waiting_backwards.add(action.key)
+            else:
+                coming.discard(action.key[1])
         for state in states:
-            state.idle = state.finished = frozenset(finished)
+            state.idle = frozenset(finished)
+            state.coming = frozenset(coming)
+            state.finished = frozenset(finished - coming)
         for s, state in enumerate(states):
             if busy[s] is not None:
                 continue

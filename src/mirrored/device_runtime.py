@@ -19,9 +19,23 @@ import torch
 
 from mirrored.config import LogicalDevice, list_logical_devices
 
-__all__ = ["ReplicaDeviceRuntime", "cap_process_memory"]
+__all__ = ["ReplicaDeviceRuntime", "cap_process_memory", "intra_op_threads"]
 
 _MIB = 1 << 20
+
+
+@contextmanager
+def intra_op_threads(count: int) -> Iterator[None]:
+    """Run the block with ``count`` intra-op threads on this thread (restored afterwards), so
+    that replicas sharing the cores do not each start a full thread pool and oversubscribe."""
+    threads = torch.get_num_threads()
+    if threads != count:
+        torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        if threads != count:
+            torch.set_num_threads(threads)
 
 
 class ReplicaDeviceRuntime:
@@ -46,10 +60,7 @@ class ReplicaDeviceRuntime:
         input copies, parameter updates between steps); the caller waits for the replica's
         stream after the step (``caller_waits``).
         """
-        threads = torch.get_num_threads()
-        if threads != self.num_threads:
-            torch.set_num_threads(self.num_threads)
-        try:
+        with intra_op_threads(self.num_threads):
             if self.stream is None:
                 yield
                 return
@@ -71,9 +82,6 @@ class ReplicaDeviceRuntime:
                         f" ran out of memory: {error}"
                     ) from error
             self.check_memory()
-        finally:
-            if threads != self.num_threads:
-                torch.set_num_threads(threads)
 
     def caller_waits(self, caller_stream: torch.cuda.Stream | None) -> None:
         """Order the caller's later work on this device after this replica's step."""

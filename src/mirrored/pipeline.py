@@ -35,7 +35,7 @@ from mirrored import config
 from mirrored.config import DeviceSpec, LogicalDevice
 from mirrored.context import ReplicaContext, current_replica_context
 from mirrored.cross_device_ops import ReductionToOneDevice
-from mirrored.device_runtime import cap_process_memory
+from mirrored.device_runtime import cap_process_memory, intra_op_threads
 from mirrored.mirror import (
     MirroredModule,
     MirroredOptimizer,
@@ -218,11 +218,14 @@ class PipelineStrategy(Strategy):
 
     @contextmanager
     def _replica_scope(self, replica_id: int) -> Iterator[None]:
-        if self.num_replicas_in_sync == 1:
-            yield
-            return
-        with self._randomness[replica_id]:
-            yield
+        # A micro-batch's thread runs the loss and the user's step around the stages: with a
+        # stage's share of the cores, not a whole thread pool competing with the stages'.
+        with intra_op_threads(self._stage_threads):
+            if self.num_replicas_in_sync == 1:
+                yield
+                return
+            with self._randomness[replica_id]:
+                yield
 
     def _usable(self) -> bool:
         return self._workers.broken is None and not self._stuck_stages

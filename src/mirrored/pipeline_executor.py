@@ -261,6 +261,7 @@ class StageExecutor:
             in_flight=self._saved.keys(),
             idle=idle,
             finished=done,
+            coming=coming,
         )
 
     def _loop(self) -> None:
@@ -358,14 +359,20 @@ class StageExecutor:
     def _forward_keeping_graph(self, leaves: Any) -> tuple[Any, int]:
         """The stage's output on ``leaves``, and the bytes kept for its backward (the inputs,
         and the tensors autograd saves, parameters excepted; only the inputs when recomputing)."""
-        nbytes = sum(_nbytes(v) for v in flatten(leaves))
+        inputs = [v for v in flatten(leaves) if isinstance(v, torch.Tensor)]
+        nbytes = sum(_nbytes(v) for v in inputs)
         if self._pipeline.recompute:
             with torch.no_grad():
                 return self._call(leaves), nbytes
         saved_bytes = [0]
+        # Each storage once: a layer that saves the stage's input, or two layers saving the same
+        # tensor, keep no more memory.
+        counted = set(self._param_storages) | {v.untyped_storage().data_ptr() for v in inputs}
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
-            if tensor.untyped_storage().data_ptr() not in self._param_storages:
+            storage = tensor.untyped_storage().data_ptr()
+            if storage not in counted:
+                counted.add(storage)
                 saved_bytes[0] += _nbytes(tensor)
             return tensor
 

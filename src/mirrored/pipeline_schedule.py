@@ -50,7 +50,8 @@ class StageState:
     ``in_flight``: forwards that kept activations for a backward not yet run.
     ``idle``: micro-batches whose thread cannot act now (its function returned, or it waits at a
     sync point). ``finished``: those whose backwards can no longer come (returned, or waiting in
-    ``optimizer.step()``), a subset of ``idle``.
+    ``optimizer.step()``), a subset of ``idle``. ``coming``: those whose backward the thread
+    has sent and a later stage is still passing down: an idle thread's backward is not lost then.
     """
 
     schedule: str
@@ -62,6 +63,7 @@ class StageState:
     in_flight: Set[Key] = frozenset()
     idle: Set[int] = frozenset()
     finished: Set[int] = frozenset()
+    coming: Set[int] = frozenset()
 
     @property
     def max_in_flight(self) -> int | None:
@@ -90,8 +92,9 @@ def next_action(state: StageState) -> Action | None:
     turn = _forward_turn(state)
     if turn is not None and turn in state.waiting_forwards:
         limit = state.max_in_flight
-        # The head's thread cannot send its backward now: waiting for it would deadlock.
-        head_stuck = head is not None and head[1] in state.idle
+        # The head's thread cannot send its backward now (and has not sent it): waiting for it
+        # would deadlock.
+        head_stuck = head is not None and head[1] in state.idle and head[1] not in state.coming
         if limit is None or len(state.in_flight) < limit or head_stuck:
             return Action("F", turn)
     if head is None:

@@ -41,7 +41,13 @@ def parameter_costs(layers: Sequence[nn.Module]) -> list[float]:
 
 def balanced_split_points(costs: Sequence[float], num_stages: int) -> list[int]:
     """Where stages 2..``num_stages`` begin: the contiguous split of ``costs`` into
-    ``num_stages`` non-empty runs whose largest sum is smallest (ties: the earliest cuts)."""
+    ``num_stages`` non-empty runs whose largest sum is smallest.
+
+    Among splits with the same largest stage, the next largest is made smallest, and so on (a
+    784-512-256-10 MLP on three stages gets a Linear each, not one stage holding the last two);
+    remaining ties cut later, so that a layer without cost (an activation) stays with the layer
+    before it.
+    """
     num_layers = len(costs)
     if num_stages < 1:
         raise ValueError(f"num_stages={num_stages}: expected at least 1")
@@ -53,16 +59,22 @@ def balanced_split_points(costs: Sequence[float], num_stages: int) -> list[int]:
     prefix = [0.0]
     for cost in costs:
         prefix.append(prefix[-1] + cost)
-    # best[s][i]: the smallest largest-stage cost of the first i layers in s stages.
-    infinity = float("inf")
-    best = [[infinity] * (num_layers + 1) for _ in range(num_stages + 1)]
+    # best[s][i]: the stage costs of the first i layers in s stages, largest first, smallest in
+    # that order (adding the same stage to two such lists keeps their order: the DP is exact).
+    best: list[list[tuple[float, ...] | None]] = [
+        [None] * (num_layers + 1) for _ in range(num_stages + 1)
+    ]
     cut = [[0] * (num_layers + 1) for _ in range(num_stages + 1)]
-    best[0][0] = 0.0
+    best[0][0] = ()
     for s in range(1, num_stages + 1):
         for i in range(s, num_layers - (num_stages - s) + 1):
             for j in range(s - 1, i):
-                value = max(best[s - 1][j], prefix[i] - prefix[j])
-                if value < best[s][i]:
+                before = best[s - 1][j]
+                if before is None:  # j layers cannot make s - 1 stages
+                    continue
+                value = tuple(sorted((*before, prefix[i] - prefix[j]), reverse=True))
+                current = best[s][i]
+                if current is None or value <= current:
                     best[s][i], cut[s][i] = value, j
     points: list[int] = []
     i = num_layers
