@@ -5,6 +5,7 @@ tests/multiprocess/test_multi_worker.py."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -136,6 +137,112 @@ def test_gradients_accumulate_over_backward_passes_and_steps(
         (_loss(model, x, y) * 0.75).backward()
 
     _compare(strategy, two_backwards_never_zeroed)
+
+
+@pytest.mark.parametrize("first_pass_whole", [True, False])
+def test_a_parameter_left_out_of_one_backward_keeps_its_accumulated_gradient(
+    strategy: mirrored.MultiWorkerMirroredStrategy, first_pass_whole: bool
+) -> None:
+    def whole(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+        _loss(model, x, y).backward()
+
+    def without_last_layer(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+        hidden = model[3](model[2](model[1](model[0](x))))  # type: ignore[index]
+        mirrored.compute_average_loss(hidden.square().mean(1)).backward()
+
+    def accumulated(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+        model.zero_grad()
+        passes = (whole, without_last_layer) if first_pass_whole else (without_last_layer, whole)
+        for backward in passes:
+            backward(model, x, y)
+
+    _compare(strategy, accumulated)
+
+
+def test_a_step_without_backward_applies_the_gradient_left_as_on_one_device(
+    strategy: mirrored.MultiWorkerMirroredStrategy,
+) -> None:
+    # No zero_grad: the second optimizer.step() applies the same gradient again, not its sum
+    # over the replicas.
+    def backward_then_step_again(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+        model.zero_grad()
+        _loss(model, x, y).backward()
+
+    batches = make_batches(num_examples=26, batch_size=13)
+    reference = make_mlp()
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    module = make_mlp()
+    model, optimizer = strategy.mirror(module, torch.optim.SGD(module.parameters(), lr=0.1))
+
+    def replica_step(x: torch.Tensor, y: torch.Tensor, backward: bool) -> None:
+        if backward:
+            backward_then_step_again(model, x, y)  # type: ignore[arg-type]
+        optimizer.step()
+
+    for (x, y), batch in zip(
+        batches, strategy.experimental_distribute_dataset(batches), strict=True
+    ):
+        for backward in (True, False):
+            if backward:
+                backward_then_step_again(reference, x, y)
+            reference_optimizer.step()
+            strategy.run(replica_step, args=(*batch, backward))
+    assert_same_parameters(reference, model.module)
+    assert_replicas_identical(model)
+
+
+class _FailingBackward(torch.autograd.Function):
+    """Identity whose backward raises while ``fail`` is set: a backward that stops half done."""
+
+    fail = False
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        if _FailingBackward.fail:
+            raise RuntimeError("backward failed half way")
+        return grad
+
+
+def test_a_backward_that_failed_half_way_leaves_the_next_steps_exact(
+    strategy: mirrored.MultiWorkerMirroredStrategy,
+) -> None:
+    # One worker may go on after a failed step: the reducer forgets the half-done pass (the last
+    # layer's gradient was packed, the others' never came).
+    def through_failing_middle(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+        model.zero_grad()
+        hidden = _FailingBackward.apply(model[1](model[0](x)))  # type: ignore[index]
+        logits = model[4](model[3](model[2](hidden)))  # type: ignore[index]
+        mirrored.compute_average_loss(F.cross_entropy(logits, y, reduction="none")).backward()
+
+    batches = make_batches(num_examples=39, batch_size=13)
+    reference = make_mlp()
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for x, y in batches[1:]:  # the failed step changes nothing
+        through_failing_middle(reference, x, y)
+        reference_optimizer.step()
+    module = make_mlp()
+    model, optimizer = strategy.mirror(module, torch.optim.SGD(module.parameters(), lr=0.1))
+
+    def replica_step(x: torch.Tensor, y: torch.Tensor) -> None:
+        through_failing_middle(model, x, y)  # type: ignore[arg-type]
+        optimizer.step()
+
+    for number, batch in enumerate(strategy.experimental_distribute_dataset(batches)):
+        _FailingBackward.fail = number == 0
+        try:
+            if number == 0:
+                with pytest.raises(RuntimeError, match="backward failed half way"):
+                    strategy.run(replica_step, args=batch)
+            else:
+                strategy.run(replica_step, args=batch)
+        finally:
+            _FailingBackward.fail = False
+    assert_same_parameters(reference, model.module)
+    assert_replicas_identical(model)
 
 
 def test_clipping_after_backward_sees_the_reduced_gradients(

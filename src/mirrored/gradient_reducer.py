@@ -103,18 +103,9 @@ class OverlappedGradientReducer:
             self._views.append(views)
         self._zeros = [torch.zeros((), dtype=p.dtype, device=p.device) for p in first]
         self._cuda = any(p.is_cuda for replica in self._params for p in replica[:1])
-        # Per replica, for the current backward pass.
-        self._in_pass = [False] * num_local
-        self._fired = [[False] * len(first) for _ in range(num_local)]
-        self._fresh = [[False] * len(first) for _ in range(num_local)]
-        self._left = [[len(m) for m in self._buckets] for _ in range(num_local)]
         self._passes = [0] * num_local  # backward passes since the last optimizer.step()
-        self._events: list[list[Any]] = [[None] * len(self._buckets) for _ in range(num_local)]
-        # Shared by the local replicas, for the current pass.
         self._lock = threading.Lock()
-        self._packed = [0] * len(self._buckets)
-        self._next_launch = 0
-        self._pending: list[PendingCollective | None] = [None] * len(self._buckets)
+        self.reset()
         self._handles: list[Any] = []
         self._hooked = [[False] * len(first) for _ in range(num_local)]
         self._accumulators: list[list[Any]] = [[None] * len(first) for _ in range(num_local)]
@@ -126,6 +117,21 @@ class OverlappedGradientReducer:
                     previous.remove_hooks()
                 param._mirrored_gradient_reducer = weakref.ref(self)  # type: ignore[attr-defined]
                 self._hook(r, i)
+
+    def reset(self) -> None:
+        """Forget the current pass (a failed run may have left it half done): nothing packed,
+        nothing in flight."""
+        num_local, num_params = len(self._params), len(self._params[0])
+        # Per replica.
+        self._in_pass = [False] * num_local
+        self._fired = [[False] * num_params for _ in range(num_local)]
+        self._fresh = [[False] * num_params for _ in range(num_local)]
+        self._left = [[len(m) for m in self._buckets] for _ in range(num_local)]
+        self._events: list[list[Any]] = [[None] * len(self._buckets) for _ in range(num_local)]
+        # Shared by the local replicas.
+        self._packed = [0] * len(self._buckets)
+        self._next_launch = 0
+        self._pending: list[PendingCollective | None] = [None] * len(self._buckets)
 
     def _hook(self, r: int, i: int) -> None:
         """Watch parameter ``i`` of replica ``r`` (only possible while it requires grad)."""
@@ -152,8 +158,7 @@ class OverlappedGradientReducer:
             )
         param = self._params[r][i]
         fresh = param.grad is None
-        if param.grad is not None and self._aliases_buffer(r, param.grad):
-            param.grad = param.grad.clone()  # the buffer is about to carry this pass's gradient
+        self._keep_grad(r, param)
         self._views[r][i].copy_(grad)
         self._fired[r][i] = True
         self._fresh[r][i] = fresh
@@ -161,12 +166,21 @@ class OverlappedGradientReducer:
         # A gradient already there stays as it is; the reduced sum is added at the pass's end.
         return None if fresh else self._zeros[i].expand_as(grad)
 
-    def _aliases_buffer(self, r: int, grad: torch.Tensor) -> bool:
+    def _keep_grad(self, r: int, param: nn.Parameter) -> bool:
+        """Before the pass writes into the buffers: a ``param.grad`` that is a view of them (the
+        sum of an earlier pass) becomes a tensor of its own, or the pass would overwrite it.
+        Returns whether it was such a sum (already reduced)."""
+        grad = param.grad
+        if grad is None:
+            return False
         pointer = grad.data_ptr()
-        return any(
+        if any(
             b.data_ptr() <= pointer < b.data_ptr() + b.numel() * b.element_size()
             for b in self._buffers[r]
-        )
+        ):
+            param.grad = grad.clone()
+            return True
+        return False
 
     def _param_packed(self, r: int, i: int) -> None:
         b, _ = self._bucket_of[i]
@@ -221,9 +235,11 @@ class OverlappedGradientReducer:
             if fired:
                 continue
             param = self._params[r][i]
+            reduced = self._keep_grad(r, param)
             # Assigned by hand with no backward in this step, or produced by a backward the
             # parameter was frozen for when mirrored (it is watched from now on): reduce it now.
-            if param.grad is not None and (manual or not self._hooked[r][i]):
+            # A sum left from an earlier step (no zero_grad) is not reduced twice.
+            if param.grad is not None and not reduced and (manual or not self._hooked[r][i]):
                 self._views[r][i].copy_(param.grad)
                 self._fired[r][i] = self._fresh[r][i] = True
                 self._hook(r, i)

@@ -148,6 +148,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
             super().close()
             raise
         self._close_group = weakref.finalize(self, self._group.close)
+        self._reducers: weakref.WeakSet[OverlappedGradientReducer] = weakref.WeakSet()
         layout = self._group.all_gather_json(
             [d.short_name for d in self.devices], "strategy: devices of every worker"
         )
@@ -160,6 +161,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
     # -- identity ---------------------------------------------------------------------------------
     @property
     def num_replicas_in_sync(self) -> int:
+        """Every replica of every worker."""
         return sum(self._replicas_per_worker)
 
     @property
@@ -182,6 +184,28 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
             f"MultiWorkerMirroredStrategy(worker {self._group.rank} of {self._group.world_size}, "
             f"devices={names}, {self._group.backend})"
         )
+
+    # -- running ----------------------------------------------------------------------------------
+    def run(
+        self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        """As MirroredStrategy's. A step that fails here may have run on the other workers, so
+        the workers' collectives would no longer pair up: the failure ends the job's
+        collectives (``WorkerGroup.abort``). The other workers fail at once with a
+        ``WorkerLostError`` naming this one and its error, and this strategy refuses further
+        collectives; restart the job (BackupAndRestore resumes it)."""
+        if self._group.broken is not None:
+            raise RuntimeError(
+                f"the workers' collectives ended with an earlier failure: {self._group.broken}"
+            ) from self._group.broken
+        try:
+            return super().run(fn, args, kwargs)
+        except BaseException as error:
+            for reducer in self._reducers:
+                reducer.reset()
+            if self._group.world_size > 1:
+                self._group.abort(error)
+            raise
 
     # -- collectives ------------------------------------------------------------------------------
     def _all_reduce_buffer(self, exchange: ReplicaExchange, flat: torch.Tensor) -> None:
@@ -321,13 +345,15 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         self, params: Sequence[Sequence[nn.Parameter]]
     ) -> OverlappedGradientReducer:
         bytes_per_pack = self.communication_options.bytes_per_pack
-        return OverlappedGradientReducer(
+        reducer = OverlappedGradientReducer(
             self,
             params,
             self._group,
             bytes_per_pack or _BYTES_PER_PACK,
             0 if bytes_per_pack else _FIRST_PACK_BYTES,
         )
+        self._reducers.add(reducer)
+        return reducer
 
     # -- lifetime ---------------------------------------------------------------------------------
     def close(self) -> None:

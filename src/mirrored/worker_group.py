@@ -11,7 +11,8 @@ leaves to the user:
 - **A failed collective breaks the group for good.** After one, the workers' sequences of
   collectives no longer line up, so every later call raises at once instead of pairing the wrong
   messages: the job must restart (under ``mirrored launch --max-restarts``, with BackupAndRestore
-  it resumes exactly).
+  it resumes exactly). So does a step that fails on one worker only (``abort``): its peers'
+  collectives fail at once, naming it and its error, rather than pair with its next step.
 - **Nothing from a peer is unpickled.** Metadata (model signatures, device counts) travels as
   UTF-8 JSON in byte tensors.
 - **Loopback by default.** The store listens only on the rendezvous address (127.0.0.1 unless
@@ -21,6 +22,7 @@ leaves to the user:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import ipaddress
 import json
@@ -42,6 +44,7 @@ from mirrored.rendezvous import SyncTimeoutError
 __all__ = ["PendingCollective", "WorkerGroup", "WorkerLostError"]
 
 _HEARTBEAT_SECONDS = 0.5
+_FAILED = "failed: "  # a worker's published position once its step failed (``abort``)
 # How long a worker's heartbeat may stand still before it counts as dead or frozen.
 _STALE_SECONDS = 4 * _HEARTBEAT_SECONDS
 
@@ -64,6 +67,8 @@ class PendingCollective:
         return work is None or (bool(work.is_completed()) and work.exception() is None)
 
     def wait(self) -> None:
+        """Block until the collective is done; its diagnosis (a ``WorkerLostError`` or
+        ``SyncTimeoutError`` naming the missing workers) if it failed."""
         if self._work is None:
             return
         work, self._work = self._work, None
@@ -131,6 +136,8 @@ class WorkerGroup:
 
     @property
     def is_chief(self) -> bool:
+        """Whether this worker is rank 0: the one that writes checkpoints and sends the initial
+        parameters."""
         return self.rank == 0
 
     # -- collectives ------------------------------------------------------------------------------
@@ -150,7 +157,9 @@ class WorkerGroup:
             work = dist.broadcast(tensor, src=0, async_op=True)
         PendingCollective(self, work, position).wait()
 
-    def all_gather_async(self, tensor: torch.Tensor, label: str) -> tuple[list[torch.Tensor], Any]:
+    def all_gather_async(
+        self, tensor: torch.Tensor, label: str
+    ) -> tuple[list[torch.Tensor], PendingCollective]:
         """Start gathering every worker's ``tensor`` (same shape everywhere), in rank order."""
         parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
         with self._collective(label) as position:
@@ -158,6 +167,7 @@ class WorkerGroup:
         return parts, PendingCollective(self, work, position)
 
     def all_gather(self, tensor: torch.Tensor, label: str) -> list[torch.Tensor]:
+        """Every worker's ``tensor`` (same shape everywhere), in rank order."""
         parts, pending = self.all_gather_async(tensor, label)
         pending.wait()
         return parts
@@ -191,6 +201,27 @@ class WorkerGroup:
         except Exception as error:
             raise self._failure(error, self._position) from error
 
+    def abort(self, error: BaseException) -> None:
+        """This worker failed a step that its peers may have run on: from here the workers'
+        collectives would pair one step apart. Break the group for good, publish why, and (for
+        a process group this group created) close its connections, so that the peers' pending
+        and next collectives fail at once with a ``WorkerLostError`` naming this worker and its
+        error instead of waiting out the timeout or silently pairing with its next step."""
+        if self._position[1].startswith(_FAILED):
+            return  # aborted already: the first error is the one to publish
+        if self.broken is None:
+            self.broken = RuntimeError(
+                f"this worker's step failed ({error!r}), so the workers' steps no longer pair "
+                "up; restart the job (with BackupAndRestore it resumes from the last backup)"
+            )
+        reason = f"{_FAILED}{type(error).__name__}: {error}"[:500]
+        self._position = (self._position[0], reason)
+        with contextlib.suppress(Exception):  # the store may be gone with its host
+            self._store.set(self._board_key(self.rank), f"failed|{self._position[0]}|{reason}")
+        if self._owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owns_process_group = False
+
     # -- failure diagnosis ------------------------------------------------------------------------
     def _failure(self, error: Exception, position: tuple[int, str]) -> Exception:
         """The error to raise for a failed collective, naming the workers that are missing."""
@@ -201,7 +232,11 @@ class WorkerGroup:
         peers = self._peer_positions()
         behind, silent = [], []
         for rank, (peer_seq, peer_label, stale) in sorted(peers.items()):
-            if stale:
+            if peer_label.startswith(_FAILED):
+                behind.append(
+                    f"worker {rank} failed its step ({peer_label.removeprefix(_FAILED)}) and left"
+                )
+            elif stale:
                 silent.append(
                     f"worker {rank} stopped responding (its process died or froze; last seen at "
                     f"{peer_label!r}, #{peer_seq})"
@@ -230,11 +265,11 @@ class WorkerGroup:
         """rank -> (collective number, label, heartbeat stale?) for every peer that reported."""
         first = self._read_board()
         time.sleep(_STALE_SECONDS)
-        second = self._read_board()
+        second = self._read_board()  # empty if the store's host (rank 0) has ended since
         positions = {}
-        for rank, (beat, seq, label) in second.items():
-            if rank != self.rank:
-                positions[rank] = (seq, label, first.get(rank, (None,))[0] == beat)
+        for rank in (first.keys() | second.keys()) - {self.rank}:
+            beat, seq, label = second.get(rank) or first[rank]
+            positions[rank] = (seq, label, first.get(rank, (None,))[0] == beat)
         return positions
 
     def _read_board(self) -> dict[int, tuple[str, int, str]]:

@@ -206,6 +206,39 @@ def train_forever(out: Path, timeout_seconds: str = "5", hang_rank: str = "-1") 
             time.sleep(0.01)
 
 
+def caught_failure(out: Path, failing_rank: str) -> None:
+    """``failing_rank`` raises in its third step; every worker catches each step's error and
+    goes on, recording (step, error type, message, seconds into the step)."""
+    with _strategy(60) as strategy:
+        rank = strategy.worker_group.rank
+        model = make_mlp()
+        mirrored_model, optimizer = strategy.mirror(model, torch.optim.SGD(model.parameters(), 0.1))
+        step_number = 0
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> None:
+            if rank == int(failing_rank) and step_number == 2:
+                raise ValueError(f"a failure on worker {rank} only")
+            loss = mirrored.compute_average_loss(
+                F.cross_entropy(mirrored_model(x), y, reduction="none")
+            )
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        errors = []
+        for step_number, (x, y) in enumerate(
+            strategy.experimental_distribute_dataset(make_batches()[:5])
+        ):
+            start = time.monotonic()
+            try:
+                strategy.run(step, args=(x, y))
+            except Exception as error:
+                errors.append(
+                    (step_number, type(error).__name__, str(error), time.monotonic() - start)
+                )
+        _save(strategy, out, {"errors": errors})
+
+
 def different_models(out: Path) -> None:
     with _strategy() as strategy:
         rank = strategy.worker_group.rank
@@ -259,6 +292,7 @@ JOBS: dict[str, Callable[..., None]] = {
         collectives,
         checkpoint,
         train_forever,
+        caught_failure,
         different_models,
         uneven_input,
         backup,

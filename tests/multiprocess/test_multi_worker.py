@@ -183,6 +183,30 @@ def test_a_hung_worker_times_the_others_out_naming_it(tmp_path: Path) -> None:
     assert "for 3.0 s: worker 1 is at" in workers[0].output, workers[0].output[-1500:]
 
 
+@pytest.mark.parametrize("failing_rank", [0, 1])
+def test_a_step_failing_on_one_worker_ends_every_worker_s_collectives(
+    tmp_path: Path, failing_rank: int
+) -> None:
+    # The failing worker catches its error and goes on: its next step must not pair with the
+    # others' previous one. Its peers fail at once (not after the 60 s timeout), naming it.
+    workers = run_workers("caught_failure", tmp_path, args=[str(failing_rank)])
+    assert_all_succeeded(workers)
+    errors = [result["errors"] for result in _results(tmp_path)]
+    failing, peer = errors[failing_rank], errors[1 - failing_rank]
+    assert [(e[0], e[1]) for e in failing] == [(2, "ValueError")] + [
+        (s, "RuntimeError") for s in (3, 4)
+    ]
+    assert "a failure on worker" in failing[1][2] and "restart the job" in failing[1][2]
+    assert [(e[0], e[1]) for e in peer] == [(2, "WorkerLostError")] + [
+        (s, "RuntimeError") for s in (3, 4)
+    ]
+    assert (
+        f"worker {failing_rank} failed its step (ValueError: a failure on worker {failing_rank} "
+        "only)" in peer[0][2]
+    ), peer[0][2]
+    assert peer[0][3] < 20
+
+
 def test_workers_with_different_models_fail_clearly(tmp_path: Path) -> None:
     workers = run_workers("different_models", tmp_path)
     for worker in workers:
