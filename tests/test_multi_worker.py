@@ -82,6 +82,16 @@ def test_a_single_worker_is_the_mirrored_strategy(
         assert losses == pytest.approx(expected, rel=1e-5)
 
 
+def test_a_distributed_sampler_is_refused(
+    strategy: mirrored.MultiWorkerMirroredStrategy,
+) -> None:
+    dataset = torch.utils.data.TensorDataset(torch.arange(8.0))
+    sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=2, rank=0)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=4, sampler=sampler)
+    with pytest.raises(ValueError, match="uses a DistributedSampler"):
+        strategy.experimental_distribute_dataset(loader)
+
+
 def test_close_leaves_no_process_group() -> None:
     strategy = mirrored.MultiWorkerMirroredStrategy(devices=["cpu:0"])
     assert torch.distributed.is_initialized()

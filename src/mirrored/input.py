@@ -9,14 +9,17 @@ last batch.
 
 from __future__ import annotations
 
+import array
 import dataclasses
+import itertools
+import zlib
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, IterableDataset, Sampler
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Sampler
 
 from mirrored.values import PerReplica, flatten, map_structure
 
@@ -173,9 +176,10 @@ class DistributedDataset:
 class StepAgreement(Protocol):
     """How the workers of a multi-process job agree on each step of their input."""
 
-    def begin(self, num_steps: int | None) -> None:
+    def begin(self, num_steps: int | None, first_batch: int | None = None) -> None:
         """An iteration starts; ``num_steps`` is its length when the dataset knows it (then the
-        workers can agree once, instead of at every step)."""
+        workers can agree once, instead of at every step); ``first_batch`` a fingerprint of the
+        examples of its first global batch, when known (every worker must see the same)."""
 
     def batch(self, num_examples: int) -> int:
         """This worker has a batch of ``num_examples`` for the next step; returns the global
@@ -196,9 +200,17 @@ def distribute_global_batches(
     worker's ``devices`` hold shards ``first_shard ..`` of ``num_shards``)."""
 
     def batches() -> Iterator[Any]:
+        iterator = iter(dataset)
         if agreement is not None:
-            agreement.begin(len(dataset) if isinstance(dataset, Sequence) else None)
-        for batch in dataset:
+            # The first batch is read now, so that the workers can check they read alike.
+            first = next(iterator, _END)
+            if first is not _END:
+                iterator = itertools.chain([first], iterator)
+            agreement.begin(
+                len(dataset) if isinstance(dataset, Sequence) else None,
+                None if first is _END else _fingerprint_values(first),
+            )
+        for batch in iterator:
             shards = split_batch(batch, devices, first_shard, num_shards)
             if agreement is not None:
                 agreement.batch(global_batch_size_of(shards) or 0)
@@ -261,10 +273,13 @@ class _WorkerBatchSampler(Sampler[list[int]]):
         self._batch_sampler = batch_sampler
         self._first, self._num_local, self._num_shards = first_shard, num_local, num_shards
         self._sizes = sizes
+        self.first_batch: int | None = None  # a fingerprint of the first global batch's indices
 
     def __iter__(self) -> Iterator[list[int]]:
-        for indices in self._batch_sampler:
+        for number, indices in enumerate(self._batch_sampler):
             indices = list(indices)
+            if not number:
+                self.first_batch = _fingerprint(indices)
             sizes = shard_sizes(len(indices), self._num_shards)
             start = sum(sizes[: self._first])
             kept = sum(sizes[self._first : self._first + self._num_local])
@@ -273,6 +288,39 @@ class _WorkerBatchSampler(Sampler[list[int]]):
 
     def __len__(self) -> int:
         return len(self._batch_sampler)  # type: ignore[arg-type]
+
+
+_END = object()
+
+
+def _fingerprint(indices: Iterable[int]) -> int:
+    """A checksum of a batch's example indices (equal lists, equal checksums)."""
+    return zlib.crc32(array.array("q", indices).tobytes())
+
+
+def _fingerprint_values(batch: Any) -> int:
+    """A checksum of a batch's tensors, their bytes and shapes (read once per iteration)."""
+    checksum = 0
+    for leaf in flatten(batch):
+        if isinstance(leaf, torch.Tensor):
+            data = leaf.detach().cpu().contiguous().flatten().view(torch.uint8)
+            checksum = zlib.crc32(str(tuple(leaf.shape)).encode(), checksum)
+            checksum = zlib.crc32(data.numpy().tobytes(), checksum)
+    return checksum
+
+
+def refuse_distributed_sampler(dataset: Any) -> None:
+    """A DistributedSampler gives each worker other examples, while every worker must iterate
+    the same global batches (the strategy shards each of them): refuse it."""
+    if not isinstance(dataset, DataLoader):
+        return
+    samplers = [dataset.sampler, getattr(dataset.batch_sampler, "sampler", None)]
+    if any(isinstance(sampler, DistributedSampler) for sampler in samplers):
+        raise ValueError(
+            "the DataLoader uses a DistributedSampler, which gives each worker different "
+            "examples; the strategy shards every global batch over the workers itself: pass a "
+            "DataLoader over the whole dataset (shuffle=True is fine) with the global batch size"
+        )
 
 
 def shardable_loader(dataset: Any) -> bool:
@@ -316,9 +364,13 @@ def distribute_loader_parts(
             persistent_workers=loader.persistent_workers,
             pin_memory_device=loader.pin_memory_device,
         )
-        if agreement is not None:
-            agreement.begin(len(part_loader))
+        begun = False
         for part in part_loader:
+            if agreement is not None and not begun:
+                # Once the first global batch is drawn (drawing it before the loader starts
+                # would change its use of its generator): the workers compare its examples.
+                agreement.begin(len(part_loader), sampler.first_batch)
+            begun = True
             global_batch_size, kept = sizes.popleft()
             if not kept:
                 part = map_structure(
@@ -329,6 +381,8 @@ def distribute_loader_parts(
                 agreement.batch(global_batch_size)
             yield shards
         if agreement is not None:
+            if not begun:
+                agreement.begin(0)
             agreement.end()
 
     return DistributedDataset(batches)

@@ -31,6 +31,7 @@ from mirrored.input import (
     distribute_global_batches,
     distribute_loader_parts,
     distribute_replica_batches,
+    refuse_distributed_sampler,
     shardable_loader,
 )
 from mirrored.mirror import MirroredModule, MirroredOptimizer, tensors_of
@@ -270,6 +271,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         A DataLoader over a map-style dataset is cloned so that each worker loads only the
         examples of its own shards; any other iterable is read whole by every worker.
         """
+        refuse_distributed_sampler(dataset)
         agreement = _StepAgreement(self._group, wait_for_global_size=False)
         if shardable_loader(dataset):
             return distribute_loader_parts(
@@ -363,7 +365,9 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
 
 
 class _StepAgreement:
-    """Checks that every worker's input yields the same number of steps.
+    """Checks that every worker's input yields the same global batches: the same number of
+    steps, and the same examples in each iteration's first batch (workers seeded differently
+    would shuffle differently, and examples would be dropped or seen twice without an error).
 
     A dataset of known length (a list, a DataLoader over a map-style dataset) is checked once
     per iteration: the workers compare lengths. Otherwise, for a global dataset (every worker
@@ -380,16 +384,26 @@ class _StepAgreement:
         self._per_step = True
         group.add_explainer(self._explain)
 
-    def begin(self, num_steps: int | None) -> None:
+    def begin(self, num_steps: int | None, first_batch: int | None = None) -> None:
         self._per_step = num_steps is None or self._wait
-        if self._per_step:
+        if self._per_step and first_batch is None:
             return
-        mine = torch.tensor([num_steps], dtype=torch.int64)
-        lengths = [int(p.item()) for p in self._group.all_gather(mine, "input: dataset lengths")]
+        mine = torch.tensor(
+            [-1 if self._per_step else num_steps, -1 if first_batch is None else first_batch]
+        )
+        gathered = self._group.all_gather(mine, "input: dataset lengths and first batches")
+        lengths = [int(p[0].item()) for p in gathered]
         if len(set(lengths)) > 1:
             raise ValueError(
                 f"the workers' datasets have different lengths ({lengths}, by rank): every "
                 "worker must iterate the same global batches (the same dataset in every worker)"
+            )
+        if len({int(p[1].item()) for p in gathered}) > 1:
+            raise ValueError(
+                "the workers' first global batches hold different examples: their DataLoaders "
+                "shuffle differently. Every worker must iterate the same global batches: seed "
+                "every worker alike (torch.manual_seed(seed) before iterating), or give the "
+                "DataLoader generator=torch.Generator().manual_seed(seed)"
             )
 
     def batch(self, num_examples: int) -> int:

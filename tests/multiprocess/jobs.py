@@ -256,6 +256,24 @@ def uneven_input(out: Path, kind: str) -> None:
         train_mirrored(strategy, model, OPTIMIZERS["sgd"](model), data)  # type: ignore[arg-type]
 
 
+def seeded_per_rank(out: Path, kind: str) -> None:
+    """Each worker seeds torch with its rank, then shuffles: a DataLoader (``kind`` "loader")
+    or ``fit`` on tensors ("fit"). The workers' global batches would differ."""
+    x, y = fit_data()
+    with _strategy() as strategy:
+        model = make_mlp()  # seeds torch: the per-rank seed comes after it
+        if kind == "loader":
+            loader = DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True)
+            torch.manual_seed(strategy.worker_group.rank)
+            train_mirrored(strategy, model, OPTIMIZERS["sgd"](model), loader)  # type: ignore[arg-type]
+            return
+        with strategy.scope():
+            keras_model = mirrored.Model(model)
+            compile_mlp(keras_model)
+        torch.manual_seed(strategy.worker_group.rank)
+        keras_model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+
+
 def backup(out: Path, backup_dir: str) -> None:
     """fit with BackupAndRestore after every batch, slowed down so that it can be killed."""
     x, y = fit_data()
@@ -295,6 +313,7 @@ JOBS: dict[str, Callable[..., None]] = {
         caught_failure,
         different_models,
         uneven_input,
+        seeded_per_rank,
         backup,
     )
 }

@@ -229,3 +229,13 @@ def test_workers_with_different_numbers_of_steps_fail_clearly(
     for worker in workers:
         assert worker.returncode != 0
         assert message in worker.output, worker.output
+
+
+@pytest.mark.parametrize("kind", ["loader", "fit"])
+def test_workers_that_shuffle_differently_fail_clearly(tmp_path: Path, kind: str) -> None:
+    workers = run_workers("seeded_per_rank", tmp_path, args=[kind])
+    for worker in workers:
+        assert worker.returncode != 0
+        assert "the workers' first global batches hold different examples" in worker.output, (
+            worker.output[-2000:]
+        )
