@@ -101,7 +101,11 @@ class OverlappedGradientReducer:
                         first[index].shape
                     )
             self._views.append(views)
-        self._zeros = [torch.zeros((), dtype=p.dtype, device=p.device) for p in first]
+        # What a hook hands autograd instead of a gradient already sent, on each replica's device.
+        self._zeros = [
+            [torch.zeros((), dtype=p.dtype, device=p.device) for p in replica]
+            for replica in self._params
+        ]
         self._cuda = any(p.is_cuda for replica in self._params for p in replica[:1])
         self._passes = [0] * num_local  # backward passes since the last optimizer.step()
         self._lock = threading.Lock()
@@ -164,7 +168,7 @@ class OverlappedGradientReducer:
         self._fresh[r][i] = fresh
         self._param_packed(r, i)
         # A gradient already there stays as it is; the reduced sum is added at the pass's end.
-        return None if fresh else self._zeros[i].expand_as(grad)
+        return None if fresh else self._zeros[r][i].expand_as(grad)
 
     def _keep_grad(self, r: int, param: nn.Parameter) -> bool:
         """Before the pass writes into the buffers: a ``param.grad`` that is a view of them (the

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Sampler
 
-from mirrored.values import PerReplica, flatten, map_structure
+from mirrored.values import PerReplica, fingerprint, flatten, map_structure
 
 __all__ = [
     "DistributedDataset",
@@ -208,7 +208,7 @@ def distribute_global_batches(
                 iterator = itertools.chain([first], iterator)
             agreement.begin(
                 len(dataset) if isinstance(dataset, Sequence) else None,
-                None if first is _END else _fingerprint_values(first),
+                None if first is _END else fingerprint(first),
             )
         for batch in iterator:
             shards = split_batch(batch, devices, first_shard, num_shards)
@@ -296,17 +296,6 @@ _END = object()
 def _fingerprint(indices: Iterable[int]) -> int:
     """A checksum of a batch's example indices (equal lists, equal checksums)."""
     return zlib.crc32(array.array("q", indices).tobytes())
-
-
-def _fingerprint_values(batch: Any) -> int:
-    """A checksum of a batch's tensors, their bytes and shapes (read once per iteration)."""
-    checksum = 0
-    for leaf in flatten(batch):
-        if isinstance(leaf, torch.Tensor):
-            data = leaf.detach().cpu().contiguous().flatten().view(torch.uint8)
-            checksum = zlib.crc32(str(tuple(leaf.shape)).encode(), checksum)
-            checksum = zlib.crc32(data.numpy().tobytes(), checksum)
-    return checksum
 
 
 def refuse_distributed_sampler(dataset: Any) -> None:

@@ -37,7 +37,7 @@ from mirrored.input import (
 from mirrored.mirror import MirroredModule, MirroredOptimizer, tensors_of
 from mirrored.mirrored_strategy import MirroredStrategy
 from mirrored.rendezvous import ReplicaExchange
-from mirrored.values import PerReplica, ReduceOp, map_structure
+from mirrored.values import PerReplica, ReduceOp, fingerprint, map_structure
 from mirrored.worker_group import PendingCollective, WorkerGroup
 
 __all__ = ["CommunicationImplementation", "CommunicationOptions", "MultiWorkerMirroredStrategy"]
@@ -178,6 +178,31 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
     def should_checkpoint(self) -> bool:
         """Only the chief (rank 0) writes checkpoints, logs and summaries."""
         return self._group.is_chief
+
+    def save_on_chief(self, write: Callable[[], object]) -> None:
+        error: Exception | None = None
+        if self.should_checkpoint:
+            try:
+                write()
+            except Exception as caught:
+                error = caught
+        status = None if error is None else f"{type(error).__name__}: {error}"
+        chief = self._group.all_gather_json(status, "checkpoint: written by the chief")[0]
+        if error is not None:
+            raise error
+        if chief is not None:
+            raise RuntimeError(f"the chief (worker 0) failed to write the checkpoint: {chief}")
+
+    def check_same_on_workers(self, value: Any, what: str) -> None:
+        mine = torch.tensor([fingerprint(value)], dtype=torch.int64)
+        checksums = [int(c.item()) for c in self._group.all_gather(mine, f"checking {what}")]
+        differ = [rank for rank, checksum in enumerate(checksums) if checksum != checksums[0]]
+        if differ:
+            raise ValueError(
+                f"worker(s) {differ} hold other values than worker 0 for {what}: each worker "
+                "read a different file; keep checkpoints and backups on storage every worker "
+                "reads (a shared filesystem), or copy the chief's file to every worker"
+            )
 
     def __repr__(self) -> str:
         names = [d.short_name for d in self.devices]

@@ -94,6 +94,17 @@ class Strategy:
         ``extended.should_checkpoint``): always in one process, the chief's among workers."""
         return True
 
+    def save_on_chief(self, write: Callable[[], object]) -> None:
+        """Run ``write`` (a checkpoint's write) where checkpoints are written, and return on
+        every process only once it is written. Among workers: the chief writes, and every
+        worker raises if the chief's write failed; call it on every worker at the same point."""
+        write()
+
+    def check_same_on_workers(self, value: Any, what: str) -> None:
+        """Raise ``ValueError`` unless every worker holds the same tensors in ``value`` (after a
+        restore: workers that read different files would train apart). In one process, nothing
+        to check; call it on every worker at the same point."""
+
     @property
     def _input_devices(self) -> tuple[torch.device | None, ...]:
         """Where input shards go (None: stay where they are)."""

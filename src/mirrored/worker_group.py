@@ -143,7 +143,7 @@ class WorkerGroup:
     # -- collectives ------------------------------------------------------------------------------
     def all_reduce_async(self, tensor: torch.Tensor, label: str) -> PendingCollective:
         """Start summing ``tensor`` over every worker, in place."""
-        with self._collective(label) as position:
+        with self._collective(_signed(label, tensor)) as position:
             work = dist.all_reduce(tensor, async_op=True)
         return PendingCollective(self, work, position)
 
@@ -153,7 +153,7 @@ class WorkerGroup:
 
     def broadcast(self, tensor: torch.Tensor, label: str) -> None:
         """Overwrite ``tensor`` with the chief's (rank 0's)."""
-        with self._collective(label) as position:
+        with self._collective(_signed(label, tensor)) as position:
             work = dist.broadcast(tensor, src=0, async_op=True)
         PendingCollective(self, work, position).wait()
 
@@ -162,7 +162,7 @@ class WorkerGroup:
     ) -> tuple[list[torch.Tensor], PendingCollective]:
         """Start gathering every worker's ``tensor`` (same shape everywhere), in rank order."""
         parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        with self._collective(label) as position:
+        with self._collective(_signed(label, tensor)) as position:
             work = dist.all_gather(parts, tensor, async_op=True)
         return parts, PendingCollective(self, work, position)
 
@@ -207,17 +207,15 @@ class WorkerGroup:
         a process group this group created) close its connections, so that the peers' pending
         and next collectives fail at once with a ``WorkerLostError`` naming this worker and its
         error instead of waiting out the timeout or silently pairing with its next step."""
-        if self._position[1].startswith(_FAILED):
-            return  # aborted already: the first error is the one to publish
-        if self.broken is None:
+        if self.broken is None:  # else a collective failed: the peers see where this one is
             self.broken = RuntimeError(
                 f"this worker's step failed ({error!r}), so the workers' steps no longer pair "
                 "up; restart the job (with BackupAndRestore it resumes from the last backup)"
             )
-        reason = f"{_FAILED}{type(error).__name__}: {error}"[:500]
-        self._position = (self._position[0], reason)
-        with contextlib.suppress(Exception):  # the store may be gone with its host
-            self._store.set(self._board_key(self.rank), f"failed|{self._position[0]}|{reason}")
+            reason = f"{_FAILED}{type(error).__name__}: {error}"[:500]
+            self._position = (self._position[0], reason)
+            with contextlib.suppress(Exception):  # the store may be gone with its host
+                self._store.set(self._board_key(self.rank), f"failed|{self._position[0]}|{reason}")
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_process_group = False
@@ -241,7 +239,12 @@ class WorkerGroup:
                     f"worker {rank} stopped responding (its process died or froze; last seen at "
                     f"{peer_label!r}, #{peer_seq})"
                 )
-            elif peer_seq != seq or peer_label != label:
+            elif peer_seq == seq and peer_label != label:
+                behind.append(
+                    f"worker {rank} is at the same collective (#{seq}) with another tensor or "
+                    f"purpose: {peer_label!r}"
+                )
+            elif peer_seq != seq:
                 behind.append(f"worker {rank} is at {peer_label!r} (#{peer_seq})")
         missing = [r for r in range(self.world_size) if r != self.rank and r not in peers]
         parts = silent + behind + [f"worker {r} never reported" for r in missing]
@@ -314,6 +317,13 @@ class WorkerGroup:
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
         self._owns_process_group = False
+
+
+def _signed(label: str, tensor: torch.Tensor) -> str:
+    """A collective's label with its tensor's size and type: workers that call the same
+    collective on different tensors (which gloo cannot tell, and waits on until the timeout)
+    show where they differ in the error that names them."""
+    return f"{label} [{tensor.numel()} x {str(tensor.dtype).removeprefix('torch.')}]"
 
 
 def _connect_store(

@@ -164,20 +164,52 @@ def collectives(out: Path) -> None:
         )
 
 
+def _slow_chief_writes(strategy: mirrored.MultiWorkerMirroredStrategy) -> None:
+    """The chief's checkpoint writes take a second: a worker that returned before the chief
+    had written would read no file."""
+    if strategy.worker_group.is_chief:
+        write = mirrored.checkpoint.save
+        mirrored.checkpoint.save = lambda *args: (time.sleep(1), write(*args))[1]  # type: ignore[assignment]
+
+
 def checkpoint(out: Path) -> None:
-    """Only the chief writes; every worker restores the chief's file."""
+    """Only the chief writes; every worker restores the chief's file as soon as save returns."""
     x, y = fit_data()
     with _strategy() as strategy:
         with strategy.scope():
             model = mirrored.Model(make_mlp())
             compile_mlp(model)
         model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+        _slow_chief_writes(strategy)
         path = out / "weights.pt"
         model.save_weights(path)
-        model.save(out / "model.pt")
-        strategy.reduce("sum", torch.ones(()))  # a collective: the chief has written by now
         model.load_weights(path)
+        model.save(out / "model.pt")
+        model.load(out / "model.pt")
         _save(strategy, out, {"weights": model.state_dict()})
+
+
+def checkpoint_faults(out: Path) -> None:
+    """The chief cannot write (the folder is a file); then each worker restores a file of its
+    own with other weights. Every worker records the errors it got."""
+    with _strategy() as strategy:
+        with strategy.scope():
+            model = mirrored.Model(make_mlp())
+            compile_mlp(model)
+        (out / "not-a-folder").write_text("")
+        errors = []
+        try:
+            model.save_weights(out / "not-a-folder" / "weights.pt")
+        except Exception as error:
+            errors.append(f"{type(error).__name__}: {error}")
+        rank = strategy.worker_group.rank
+        mine = out / f"weights{rank}.pt"
+        mirrored.checkpoint.save(make_mlp(seed=10 + rank).state_dict(), mine)
+        try:
+            model.load_weights(mine)
+        except ValueError as error:
+            errors.append(f"{type(error).__name__}: {error}")
+        _save(strategy, out, {"errors": errors})
 
 
 def train_forever(out: Path, timeout_seconds: str = "5", hang_rank: str = "-1") -> None:
@@ -237,6 +269,14 @@ def caught_failure(out: Path, failing_rank: str) -> None:
                     (step_number, type(error).__name__, str(error), time.monotonic() - start)
                 )
         _save(strategy, out, {"errors": errors})
+
+
+def mismatched_all_reduce(out: Path) -> None:
+    """A 3-example batch over two workers: all-reducing the shards themselves (2 and 1
+    elements) is a user error the timeout must explain."""
+    with _strategy(3) as strategy:
+        (batch,) = strategy.experimental_distribute_dataset([torch.arange(3.0)])
+        strategy.run(lambda x: mirrored.get_replica_context().all_reduce("sum", x), args=(batch,))
 
 
 def different_models(out: Path) -> None:
@@ -309,8 +349,10 @@ JOBS: dict[str, Callable[..., None]] = {
         fit,
         collectives,
         checkpoint,
+        checkpoint_faults,
         train_forever,
         caught_failure,
+        mismatched_all_reduce,
         different_models,
         uneven_input,
         seeded_per_rank,

@@ -146,6 +146,20 @@ def test_only_the_chief_writes_and_every_worker_restores(tmp_path: Path) -> None
         _assert_close(saved, model.state_dict())
 
 
+def test_a_chief_that_cannot_write_or_workers_that_read_other_files_fail_every_worker(
+    tmp_path: Path,
+) -> None:
+    assert_all_succeeded(run_workers("checkpoint_faults", tmp_path))
+    chief, worker = (result["errors"] for result in _results(tmp_path))
+    assert len(chief) == len(worker) == 2
+    assert chief[0].split(":")[0] in ("NotADirectoryError", "FileExistsError"), chief[0]
+    assert worker[0].startswith(
+        "RuntimeError: the chief (worker 0) failed to write the checkpoint"
+    ), worker[0]
+    for errors in (chief, worker):
+        assert "worker(s) [1] hold other values than worker 0" in errors[1], errors[1]
+
+
 def _started(out: Path, rank: int, deadline: float = 90) -> None:
     end = time.monotonic() + deadline
     while not (out / f"started{rank}").exists():
@@ -205,6 +219,17 @@ def test_a_step_failing_on_one_worker_ends_every_worker_s_collectives(
         "only)" in peer[0][2]
     ), peer[0][2]
     assert peer[0][3] < 20
+
+
+def test_an_all_reduce_of_different_sizes_is_explained_at_the_timeout(tmp_path: Path) -> None:
+    workers = run_workers("mismatched_all_reduce", tmp_path)
+    for worker, other in ((workers[0], "[1 x float32]"), (workers[1], "[2 x float32]")):
+        assert worker.returncode != 0
+        assert "SyncTimeoutError" in worker.output or "WorkerLostError" in worker.output
+        assert (
+            f"is at the same collective (#4) with another tensor or purpose: 'all_reduce {other}'"
+            in worker.output
+        ), worker.output[-1500:]
 
 
 def test_workers_with_different_models_fail_clearly(tmp_path: Path) -> None:

@@ -53,8 +53,14 @@ class BackupAndRestore(Callback):
     # -- restore -----------------------------------------------------------------------------------
     def on_train_begin(self, logs: Logs | None = None) -> None:
         self._frequency.saved()
-        if not self.path.exists():
-            return
+        if self.path.exists():
+            self._restore()
+        model = self._model()
+        model.strategy.check_same_on_workers(
+            model.state_dict(), f"the weights restored from {str(self.path)!r} (or not)"
+        )
+
+    def _restore(self) -> None:
         backup = checkpoint.load(self.path)
         if not isinstance(backup, dict) or backup.get("format") != _FORMAT:
             raise ValueError(
@@ -109,22 +115,24 @@ class BackupAndRestore(Callback):
             )
             return
         self._frequency.saved()
-        if not model.strategy.should_checkpoint:
-            return
-        progress, epoch_rng, metrics = model._fit_position()
-        backup = {
-            "format": _FORMAT,
-            "training": model.training_state(),
-            "progress": progress,
-            "rng": rng_state.capture(),
-            "epoch_rng": epoch_rng,
-            "metrics": metrics,
-            "callbacks": [
-                {"class": type(c).__name__, "state": c.state_dict()}
-                for c in self._other_callbacks()
-            ],
-        }
-        checkpoint.save(backup, self.path)
+
+        def write() -> None:
+            progress, epoch_rng, metrics = model._fit_position()
+            backup = {
+                "format": _FORMAT,
+                "training": model.training_state(),
+                "progress": progress,
+                "rng": rng_state.capture(),
+                "epoch_rng": epoch_rng,
+                "metrics": metrics,
+                "callbacks": [
+                    {"class": type(c).__name__, "state": c.state_dict()}
+                    for c in self._other_callbacks()
+                ],
+            }
+            checkpoint.save(backup, self.path)
+
+        model.strategy.save_on_chief(write)
 
     def on_train_end(self, logs: Logs | None = None) -> None:
         if (

@@ -82,8 +82,7 @@ class ModelCheckpoint(MonitorCallback):
     def _save(self, epoch: int, batch: int | None, logs: Logs) -> None:
         model = self._fit_model()
         path = self._format_path(epoch, batch, logs)
-        writes = model.strategy.should_checkpoint
-        speaks = self.verbose > 0 and writes
+        speaks = self.verbose > 0 and model.strategy.should_checkpoint
         loss = logs.get("loss")
         if (loss is not None and not math.isfinite(float(loss))) or not checkpoint.all_finite(
             model.state_dict()
@@ -111,8 +110,6 @@ class ModelCheckpoint(MonitorCallback):
                 )
         elif speaks:
             print(f"\nEpoch {epoch + 1}: saving model to {path}")
-        if not writes:
-            return
         if Path(path).is_dir():
             raise ValueError(
                 f"ModelCheckpoint: filepath {path!r} is an existing folder; give a file name, "

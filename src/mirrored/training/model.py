@@ -604,8 +604,9 @@ class Model:
     def save(self, filepath: str | Path) -> None:
         """Write the whole training state (``load`` restores it), atomically; only where the
         strategy writes checkpoints (the chief)."""
-        if self.strategy.should_checkpoint:
-            checkpoint.save({"format": _MODEL_FORMAT, **self.training_state()}, filepath)
+        self.strategy.save_on_chief(
+            lambda: checkpoint.save({"format": _MODEL_FORMAT, **self.training_state()}, filepath)
+        )
 
     def load(self, filepath: str | Path) -> None:
         """Restore a file written by ``save`` into this compiled model."""
@@ -616,12 +617,12 @@ class Model:
                 "load_weights()"
             )
         self.load_training_state(saved, repr(str(filepath)))
+        self.strategy.check_same_on_workers(self.module.state_dict(), f"{str(filepath)!r}")
 
     def save_weights(self, filepath: str | Path) -> None:
         """Write the module's state dict (a plain ``torch.load``-able file), atomically; only
         where the strategy writes checkpoints (the chief)."""
-        if self.strategy.should_checkpoint:
-            checkpoint.save(self.module.state_dict(), filepath)
+        self.strategy.save_on_chief(lambda: checkpoint.save(self.module.state_dict(), filepath))
 
     def load_weights(self, filepath: str | Path) -> None:
         """Load weights from ``save_weights`` or ``save`` files into every replica; a file that
@@ -630,6 +631,7 @@ class Model:
         if isinstance(saved, dict) and saved.get("format") == _MODEL_FORMAT:
             saved = saved["model"]
         checkpoint.load_module_state(self._mirrored_module(), saved, repr(str(filepath)))
+        self.strategy.check_same_on_workers(self.module.state_dict(), f"{str(filepath)!r}")
 
     # -- summary -----------------------------------------------------------------------------------
     def summary(self, print_fn: Callable[[str], Any] | None = print) -> str:
