@@ -144,6 +144,8 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         self.cluster_resolver = resolver
         try:
             backend = _backend(options.implementation, self.devices)
+            if backend == "nccl":  # NCCL's communicator and metadata use the current device
+                torch.cuda.set_device(self.devices[0].torch_device)
             self._group = WorkerGroup(resolver, backend, timeout)
         except BaseException:
             super().close()
@@ -194,7 +196,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
             raise RuntimeError(f"the chief (worker 0) failed to write the checkpoint: {chief}")
 
     def check_same_on_workers(self, value: Any, what: str) -> None:
-        mine = torch.tensor([fingerprint(value)], dtype=torch.int64)
+        mine = torch.tensor([fingerprint(value)], dtype=torch.int64, device=self._group.meta_device)
         checksums = [int(c.item()) for c in self._group.all_gather(mine, f"checking {what}")]
         differ = [rank for rank, checksum in enumerate(checksums) if checksum != checksums[0]]
         if differ:
@@ -414,7 +416,8 @@ class _StepAgreement:
         if self._per_step and first_batch is None:
             return
         mine = torch.tensor(
-            [-1 if self._per_step else num_steps, -1 if first_batch is None else first_batch]
+            [-1 if self._per_step else num_steps, -1 if first_batch is None else first_batch],
+            device=self._group.meta_device,
         )
         gathered = self._group.all_gather(mine, "input: dataset lengths and first batches")
         lengths = [int(p[0].item()) for p in gathered]
@@ -448,7 +451,9 @@ class _StepAgreement:
 
     def _start(self, num_examples: int, has_batch: bool) -> None:
         self._steps += has_batch
-        mine = torch.tensor([int(has_batch), num_examples], dtype=torch.int64)
+        mine = torch.tensor(
+            [int(has_batch), num_examples], dtype=torch.int64, device=self._group.meta_device
+        )
         self._pending.append(self._group.all_gather_async(mine, "input: next batch"))
 
     def _check_all_but_last(self) -> None:

@@ -109,7 +109,9 @@ class WorkerGroup:
             self._prefix = f"mirrored/{resolver.restart_count}"
             with _gloo_on_loopback(self._address[0], backend):
                 dist.init_process_group(
-                    backend,
+                    # With NCCL, CPU tensors (metadata, parameters not yet on their devices)
+                    # go through gloo.
+                    "cpu:gloo,cuda:nccl" if backend == "nccl" else backend,
                     store=dist.PrefixStore(self._prefix + "/pg", self._store),
                     rank=self.rank,
                     world_size=self.world_size,
@@ -120,9 +122,11 @@ class WorkerGroup:
             self._store = dist.distributed_c10d._get_default_store()
             self._address = None
             self._prefix = "mirrored/joined"
-        self._meta_device = (
+            self.backend = str(dist.get_backend())
+        # Where small metadata tensors go: the CPU unless the group has NCCL only.
+        self.meta_device = (
             torch.device("cuda", torch.cuda.current_device())
-            if backend == "nccl"
+            if "gloo" not in self.backend and "nccl" in self.backend
             else torch.device("cpu")
         )
         self._stop = threading.Event()
@@ -175,9 +179,9 @@ class WorkerGroup:
     def all_gather_json(self, value: Any, label: str) -> list[Any]:
         """Every worker's JSON-serialisable ``value``, in rank order (no pickle on the wire)."""
         data = json.dumps(value, sort_keys=True).encode()
-        size = torch.tensor([len(data)], dtype=torch.int64, device=self._meta_device)
+        size = torch.tensor([len(data)], dtype=torch.int64, device=self.meta_device)
         sizes = [int(s.item()) for s in self.all_gather(size, label + " (sizes)")]
-        padded = torch.zeros(max(sizes), dtype=torch.uint8, device=self._meta_device)
+        padded = torch.zeros(max(sizes), dtype=torch.uint8, device=self.meta_device)
         padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         parts = self.all_gather(padded, label)
         return [json.loads(bytes(p[:n].cpu().tolist())) for p, n in zip(parts, sizes, strict=True)]
@@ -278,6 +282,7 @@ class WorkerGroup:
     def _read_board(self) -> dict[int, tuple[str, int, str]]:
         board: dict[int, tuple[str, int, str]] = {}
         keys = [self._board_key(rank) for rank in range(self.world_size)]
+        previous = self._store.timeout  # type: ignore[attr-defined]  # missing from the stubs
         try:
             self._store.set_timeout(datetime.timedelta(seconds=2))
             present = [k for k in keys if self._store.check([k])]
@@ -286,6 +291,9 @@ class WorkerGroup:
                 board[int(key.rsplit("/", 1)[1])] = (beat, int(seq), label)
         except Exception:  # the store itself is gone (its host, rank 0, died): report no one
             return {}
+        finally:
+            with contextlib.suppress(Exception):
+                self._store.set_timeout(previous)
         return board
 
     def _board_key(self, rank: int) -> str:
