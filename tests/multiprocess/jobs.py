@@ -21,9 +21,13 @@ from mirrored import config
 from tests.reference_loops import OPTIMIZERS, make_batches, make_mlp, train_mirrored
 
 
-def _strategy(timeout_seconds: float = 60) -> mirrored.MultiWorkerMirroredStrategy:
+def _strategy(
+    timeout_seconds: float = 60, bytes_per_pack: int = 0
+) -> mirrored.MultiWorkerMirroredStrategy:
     return mirrored.MultiWorkerMirroredStrategy(
-        communication_options=mirrored.CommunicationOptions(timeout_seconds=timeout_seconds)
+        communication_options=mirrored.CommunicationOptions(
+            bytes_per_pack=bytes_per_pack, timeout_seconds=timeout_seconds
+        )
     )
 
 
@@ -31,18 +35,27 @@ def _save(strategy: mirrored.MultiWorkerMirroredStrategy, out: Path, result: Any
     torch.save(result, out / f"rank{strategy.worker_group.rank}.pt")
 
 
-def custom_loop(out: Path, optimizer: str = "sgd", user_group: str = "") -> None:
+def custom_loop(
+    out: Path, optimizer: str = "sgd", user_group: str = "", bytes_per_pack: str = "0"
+) -> None:
     """The reference custom loop on the MLP, ragged last batch included; with ``user_group``
     the program sets up torch.distributed itself first and keeps its group afterwards."""
     if user_group:
         torch.distributed.init_process_group("gloo")
-    with _strategy() as strategy:
+    all_reduce, sizes = torch.distributed.all_reduce, []
+
+    def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        sizes.append(tensor.numel())
+        return all_reduce(tensor, *args, **kwargs)
+
+    torch.distributed.all_reduce = counted  # the cross-process all-reduces, by size
+    with _strategy(bytes_per_pack=int(bytes_per_pack)) as strategy:
         model = make_mlp()
         mirrored_model, _, losses = train_mirrored(
             strategy, model, OPTIMIZERS[optimizer](model), make_batches()
         )
         replicas = [r.state_dict() for r in mirrored_model.replicas]
-        _save(strategy, out, {"losses": losses, "replicas": replicas})
+        _save(strategy, out, {"losses": losses, "replicas": replicas, "all_reduces": sizes})
     if user_group:
         assert torch.distributed.is_initialized(), "the strategy closed the program's group"
         torch.distributed.destroy_process_group()
@@ -90,6 +103,42 @@ def loader_loop(out: Path) -> None:
                 "loaded": loader.dataset.loaded,  # type: ignore[attr-defined]
             },
         )
+
+
+def per_replica_input(out: Path) -> None:
+    """distribute_datasets_from_function: each worker's function yields the per-replica batches
+    of its own replicas (its InputContext says which), ragged last batch included."""
+    batches = make_batches()
+
+    def dataset_fn(context: mirrored.InputContext) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        assert context.num_input_pipelines == 2 and context.num_replicas_in_sync == 4
+        local = len(config.list_logical_devices("CPU"))
+        first = context.input_pipeline_id * local
+        parts = []
+        for x, y in batches:  # shards as the strategy cuts a global batch: larger ones first
+            shards = zip(
+                x.tensor_split(context.num_replicas_in_sync),
+                y.tensor_split(context.num_replicas_in_sync),
+                strict=True,
+            )
+            parts += list(shards)[first : first + local]
+        return parts
+
+    with _strategy() as strategy:
+        model = make_mlp()
+        mirrored_model, optimizer = strategy.mirror(model, OPTIMIZERS["sgd"](model))
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> None:
+            loss = mirrored.compute_average_loss(
+                F.cross_entropy(mirrored_model(x), y, reduction="none")
+            )
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        for x, y in strategy.distribute_datasets_from_function(dataset_fn):
+            strategy.run(step, args=(x, y))
+        _save(strategy, out, {"replicas": [r.state_dict() for r in mirrored_model.replicas]})
 
 
 def fit_data() -> tuple[torch.Tensor, torch.Tensor]:
@@ -346,6 +395,7 @@ JOBS: dict[str, Callable[..., None]] = {
     for f in (
         custom_loop,
         loader_loop,
+        per_replica_input,
         fit,
         collectives,
         checkpoint,

@@ -43,21 +43,27 @@ def _assert_close(expected: dict[str, torch.Tensor], actual: dict[str, torch.Ten
 
 
 @pytest.mark.parametrize(
-    ("optimizer", "logical_devices", "cluster", "user_group"),
+    ("optimizer", "logical_devices", "cluster", "user_group", "bytes_per_pack"),
     [
-        ("sgd", 2, "torchrun", ""),
-        ("adam", 2, "torchrun", ""),
-        ("adam", 1, "tf_config", ""),
-        ("sgd", 1, "torchrun", "the program's own process group"),
+        ("sgd", 2, "torchrun", "", 0),
+        ("adam", 2, "torchrun", "", 0),
+        ("adam", 2, "torchrun", "", 256),  # the MLP's gradients in 6 buckets
+        ("adam", 1, "tf_config", "", 0),
+        ("sgd", 1, "torchrun", "the program's own process group", 0),
     ],
 )
 def test_custom_loop_equals_one_device(
-    tmp_path: Path, optimizer: str, logical_devices: int, cluster: str, user_group: str
+    tmp_path: Path,
+    optimizer: str,
+    logical_devices: int,
+    cluster: str,
+    user_group: str,
+    bytes_per_pack: int,
 ) -> None:
     workers = run_workers(
         "custom_loop",
         tmp_path,
-        args=[optimizer, user_group],
+        args=[optimizer, user_group, str(bytes_per_pack)],
         logical_devices=logical_devices,
         cluster=cluster,
     )
@@ -65,6 +71,14 @@ def test_custom_loop_equals_one_device(
     model = make_mlp()
     losses = train_plain(model, OPTIMIZERS[optimizer](model), make_batches())
     results = _results(tmp_path)
+    # Each step's gradients cross in one bucket (the MLP is below the 1 MiB first bucket), or in
+    # several with a small bytes_per_pack; each bucket carries a count per parameter too.
+    steps = len(make_batches())
+    gradient_sizes = [n for n in results[0]["all_reduces"] if n > 1]
+    if bytes_per_pack:  # no two neighbours fit in 256 bytes: a bucket per parameter
+        assert gradient_sizes == [5 + 1, 80 + 1, 16 + 1, 512 + 1, 32 + 1, 384 + 1] * steps
+    else:
+        assert gradient_sizes == [1029 + 6] * steps
     for result in results:
         assert len(result["replicas"]) == logical_devices
         for replica in result["replicas"]:
@@ -89,6 +103,15 @@ def test_each_worker_loads_only_its_part_of_a_data_loader(tmp_path: Path) -> Non
     loaded = [set(r["loaded"]) for r in results]
     assert len(results[0]["loaded"]) + len(results[1]["loaded"]) == 203
     assert loaded[0] | loaded[1] == set(range(203))
+
+
+def test_per_replica_input_from_a_function_equals_one_device(tmp_path: Path) -> None:
+    assert_all_succeeded(run_workers("per_replica_input", tmp_path, logical_devices=2))
+    model = make_mlp()
+    train_plain(model, OPTIMIZERS["sgd"](model), make_batches())
+    for result in _results(tmp_path):
+        for replica in result["replicas"]:
+            _assert_close(model.state_dict(), replica)
 
 
 def test_fit_evaluate_predict_equal_one_device(tmp_path: Path) -> None:
