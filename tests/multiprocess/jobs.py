@@ -35,6 +35,20 @@ def _save(strategy: mirrored.MultiWorkerMirroredStrategy, out: Path, result: Any
     torch.save(result, out / f"rank{strategy.worker_group.rank}.pt")
 
 
+def _training_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer
+) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """The usual replica step: averaged cross-entropy, backward, update."""
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        loss = mirrored.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return step
+
+
 def custom_loop(
     out: Path, optimizer: str = "sgd", user_group: str = "", bytes_per_pack: str = "0"
 ) -> None:
@@ -128,13 +142,7 @@ def per_replica_input(out: Path) -> None:
         model = make_mlp()
         mirrored_model, optimizer = strategy.mirror(model, OPTIMIZERS["sgd"](model))
 
-        def step(x: torch.Tensor, y: torch.Tensor) -> None:
-            loss = mirrored.compute_average_loss(
-                F.cross_entropy(mirrored_model(x), y, reduction="none")
-            )
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
+        step = _training_step(mirrored_model, optimizer)
 
         for x, y in strategy.distribute_datasets_from_function(dataset_fn):
             strategy.run(step, args=(x, y))
@@ -216,9 +224,15 @@ def collectives(out: Path) -> None:
 def _slow_chief_writes(strategy: mirrored.MultiWorkerMirroredStrategy) -> None:
     """The chief's checkpoint writes take a second: a worker that returned before the chief
     had written would read no file."""
-    if strategy.worker_group.is_chief:
-        write = mirrored.checkpoint.save
-        mirrored.checkpoint.save = lambda *args: (time.sleep(1), write(*args))[1]  # type: ignore[assignment]
+    if not strategy.worker_group.is_chief:
+        return
+    write = mirrored.checkpoint.save
+
+    def slow_write(obj: Any, path: Any) -> Path:
+        time.sleep(1)
+        return write(obj, path)
+
+    mirrored.checkpoint.save = slow_write
 
 
 def checkpoint(out: Path) -> None:
@@ -268,13 +282,7 @@ def train_forever(out: Path, timeout_seconds: str = "5", hang_rank: str = "-1") 
         model = make_mlp()
         mirrored_model, optimizer = strategy.mirror(model, torch.optim.SGD(model.parameters(), 0.1))
 
-        def step(x: torch.Tensor, y: torch.Tensor) -> None:
-            loss = mirrored.compute_average_loss(
-                F.cross_entropy(mirrored_model(x), y, reduction="none")
-            )
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
+        step = _training_step(mirrored_model, optimizer)
 
         batches = make_batches()
         for step_number in range(1_000_000):
@@ -296,15 +304,12 @@ def caught_failure(out: Path, failing_rank: str) -> None:
         mirrored_model, optimizer = strategy.mirror(model, torch.optim.SGD(model.parameters(), 0.1))
         step_number = 0
 
+        train = _training_step(mirrored_model, optimizer)
+
         def step(x: torch.Tensor, y: torch.Tensor) -> None:
             if rank == int(failing_rank) and step_number == 2:
                 raise ValueError(f"a failure on worker {rank} only")
-            loss = mirrored.compute_average_loss(
-                F.cross_entropy(mirrored_model(x), y, reduction="none")
-            )
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
+            train(x, y)
 
         errors = []
         for step_number, (x, y) in enumerate(
