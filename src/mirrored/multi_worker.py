@@ -365,10 +365,20 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
             )
 
     def _broadcast_from_chief(self, module: nn.Module) -> None:
+        """Every worker gets the chief's parameters and buffers: one broadcast per dtype and
+        device (the model's tensors packed end to end), not one per tensor."""
+        groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for tensor in tensors_of(module):
+            if tensor.numel():
+                groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
         with torch.no_grad():
-            for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
-                if tensor.numel():
-                    self._group.broadcast(tensor.data, f"mirror: {name} from the chief")
+            for (dtype, _), tensors in groups.items():
+                packed = torch.cat([t.detach().reshape(-1) for t in tensors])
+                self._group.broadcast(packed, f"mirror: {dtype} parameters and buffers")
+                for tensor, part in zip(
+                    tensors, packed.split([t.numel() for t in tensors]), strict=True
+                ):
+                    tensor.copy_(part.view_as(tensor))
 
     def _gradient_reducer(
         self, params: Sequence[Sequence[nn.Parameter]]

@@ -64,7 +64,8 @@ def custom_loop(
 
     torch.distributed.all_reduce = counted  # the cross-process all-reduces, by size
     with _strategy(bytes_per_pack=int(bytes_per_pack)) as strategy:
-        model = make_mlp()
+        # Each worker initialises differently: mirror gives every worker the chief's values.
+        model = make_mlp(seed=1 + strategy.worker_group.rank)
         mirrored_model, _, losses = train_mirrored(
             strategy, model, OPTIMIZERS[optimizer](model), make_batches()
         )
