@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from mirrored.bucketing import plan_buckets
 
@@ -42,6 +43,9 @@ if TYPE_CHECKING:
     from mirrored.worker_group import PendingCollective, WorkerGroup
 
 __all__ = ["OverlappedGradientReducer"]
+
+# Which reducer watches a parameter: mirroring it again (a new optimizer) hands it over.
+_OWNERS = WeakIdKeyDictionary()  # parameter -> weakref.ref to its reducer
 
 
 class OverlappedGradientReducer:
@@ -115,11 +119,11 @@ class OverlappedGradientReducer:
         self._accumulators: list[list[Any]] = [[None] * len(first) for _ in range(num_local)]
         for r, replica in enumerate(self._params):
             for i, param in enumerate(replica):
-                owner = getattr(param, "_mirrored_gradient_reducer", None)
+                owner = _OWNERS.get(param)
                 previous = owner() if owner is not None else None
                 if previous is not None and previous is not self:
                     previous.remove_hooks()
-                param._mirrored_gradient_reducer = weakref.ref(self)  # type: ignore[attr-defined]
+                _OWNERS[param] = weakref.ref(self)
                 self._hook(r, i)
 
     def reset(self) -> None:
@@ -153,7 +157,7 @@ class OverlappedGradientReducer:
 
     # -- during backward --------------------------------------------------------------------------
     def _on_grad(self, r: int, i: int, grad: torch.Tensor) -> torch.Tensor | None:
-        if self._strategy._active_replica(r) is None or not _accumulates(self._accumulators[r][i]):
+        if self._strategy.active_replica(r) is None or not _accumulates(self._accumulators[r][i]):
             return None  # backward outside strategy.run, or autograd.grad: nothing to reduce
         if not self._in_pass[r]:
             self._in_pass[r] = True
@@ -228,7 +232,7 @@ class OverlappedGradientReducer:
     def finish_pass(self, r: int) -> None:
         """Replica ``r``'s backward is over (or ``optimizer.step()`` came without one): pack
         what it did not produce, wait for every bucket, and make the sums its gradients."""
-        replica = self._strategy._active_replica(r)
+        replica = self._strategy.active_replica(r)
         if replica is None:
             return
         manual = not self._in_pass[r] and self._passes[r] == 0

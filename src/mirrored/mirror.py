@@ -237,7 +237,7 @@ class MirroredOptimizer:
         shared_memory = len({p[0].device for p in self._params if p}) == 1
         self._sharded: ShardedUpdate | None = None
         # Across processes, gradients are reduced while backward runs (gradient_reducer.py).
-        self._reducer = strategy._gradient_reducer(params)
+        self._reducer = strategy.gradient_reducer(params)
         if (
             self._reducer is None
             and len(optimizers) > 1

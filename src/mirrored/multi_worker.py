@@ -380,7 +380,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
                 ):
                     tensor.copy_(part.view_as(tensor))
 
-    def _gradient_reducer(
+    def gradient_reducer(
         self, params: Sequence[Sequence[nn.Parameter]]
     ) -> OverlappedGradientReducer:
         bytes_per_pack = self.communication_options.bytes_per_pack

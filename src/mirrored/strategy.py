@@ -230,7 +230,7 @@ class Strategy:
             self._active_contexts[replica_id] = None
             rendezvous.finish(replica_id)
 
-    def _active_replica(self, local_replica_id: int) -> context.ReplicaContext | None:
+    def active_replica(self, local_replica_id: int) -> context.ReplicaContext | None:
         """The context of a local replica inside the current run (None outside one)."""
         return self._active_contexts[local_replica_id]
 
@@ -410,7 +410,7 @@ class Strategy:
 
         return mirror_module(self, module, optimizer, sync_batch_norm=sync_batch_norm)
 
-    def _gradient_reducer(
+    def gradient_reducer(
         self, params: Sequence[Sequence[torch.nn.Parameter]]
     ) -> OverlappedGradientReducer | None:
         """What reduces the gradients of a mirrored optimizer's ``params`` (each local replica's)
