@@ -95,6 +95,12 @@ def test_local_rank_counts_earlier_workers_on_the_same_host():
         TFConfigClusterResolver(tf_config(cluster, "worker", i)).local_rank for i in range(4)
     ]
     assert local_ranks == [0, 1, 0, 2, 1]  # host names compare case-insensitively
+    local_sizes = [TFConfigClusterResolver(tf_config(cluster, "chief")).local_world_size] + [
+        TFConfigClusterResolver(tf_config(cluster, "worker", i)).local_world_size for i in range(4)
+    ]
+    assert local_sizes == [3, 3, 2, 3, 2]
+    ps = TFConfigClusterResolver(tf_config(cluster, "ps", 0))
+    assert (ps.local_rank, ps.local_world_size) == (0, 1)
 
 
 def test_ipv6_addresses_are_bracketed_in_the_config_and_bare_in_master_addr():
@@ -142,8 +148,8 @@ def test_repr_names_the_class_and_fields():
     r = TFConfigClusterResolver(tf_config(WITH_CHIEF, "worker", 1))
     assert repr(r) == (
         "TFConfigClusterResolver(task_type='worker', task_id=1, rank=2, world_size=3, "
-        "master_addr='chief', master_port=2222, local_rank=0, agent_store=False, "
-        "restart_count=0)"
+        "master_addr='chief', master_port=2222, local_rank=0, local_world_size=1, "
+        "agent_store=False, restart_count=0)"
     )
 
 
@@ -337,6 +343,13 @@ def test_torchrun_variables():
     assert (r.agent_store, r.restart_count, r.is_chief) == (False, 0, False)
     assert r.cluster_spec() == {}
     assert TorchrunClusterResolver(torchrun_env(RANK="0")).is_chief
+
+
+def test_torchrun_local_world_size():
+    assert TorchrunClusterResolver(torchrun_env(LOCAL_WORLD_SIZE="2")).local_world_size == 2
+    assert TorchrunClusterResolver(torchrun_env()).local_world_size == 2  # LOCAL_RANK 1 + 1
+    with pytest.raises(ValueError, match=r"local_world_size=1: expected an int above local_rank"):
+        TorchrunClusterResolver(torchrun_env(LOCAL_WORLD_SIZE="1"))
 
 
 def test_torchrun_elastic_variables():

@@ -14,7 +14,8 @@ from torch import nn
 
 import mirrored
 from mirrored.cluster_resolver import ClusterResolver
-from mirrored.multi_worker import _backend
+from mirrored.config import LogicalDevice, PhysicalDevice
+from mirrored.multi_worker import _backend, local_share
 from tests.reference_loops import (
     OPTIMIZERS,
     assert_replicas_identical,
@@ -90,6 +91,32 @@ def test_a_distributed_sampler_is_refused(
     loader = torch.utils.data.DataLoader(dataset, batch_size=4, sampler=sampler)
     with pytest.raises(ValueError, match="uses a DistributedSampler"):
         strategy.experimental_distribute_dataset(loader)
+
+
+def test_workers_on_one_machine_share_its_gpus_and_its_cpu() -> None:
+    def resolver(local_rank: int, local_world_size: int) -> ClusterResolver:
+        return ClusterResolver(
+            task_type="worker",
+            task_id=local_rank,
+            rank=local_rank,
+            world_size=4,
+            master_addr="127.0.0.1",
+            master_port=29500,
+            local_rank=local_rank,
+            local_world_size=local_world_size,
+        )
+
+    gpus = [
+        LogicalDevice(f"/device:GPU:{i}", "GPU", i, PhysicalDevice(f"GPU:{i}", "GPU", i), 0)
+        for i in range(4)
+    ]
+    assert local_share(gpus, resolver(1, 2)) == gpus[2:]
+    assert local_share(gpus, resolver(3, 4)) == gpus[3:]
+    assert local_share(gpus, resolver(0, 1)) == gpus
+    cpus = mirrored.config.list_logical_devices("CPU")
+    assert local_share(cpus, resolver(1, 2)) == cpus
+    with pytest.raises(ValueError, match="3 workers on this machine but 2 GPU"):
+        local_share(gpus[:2], resolver(0, 3))
 
 
 def test_close_leaves_no_process_group() -> None:

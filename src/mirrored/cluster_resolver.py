@@ -65,6 +65,7 @@ class ClusterResolver:
         master_addr: str,
         master_port: int,
         local_rank: int = 0,
+        local_world_size: int = 1,
         agent_store: bool = False,
         restart_count: int = 0,
         cluster_spec: Mapping[str, list[str]] | None = None,
@@ -100,6 +101,11 @@ class ClusterResolver:
             )
         if not _is_int(local_rank) or local_rank < 0:
             raise ValueError(f"local_rank={local_rank!r}: expected an int >= 0")
+        if not _is_int(local_world_size) or not local_rank < local_world_size:
+            raise ValueError(
+                f"local_world_size={local_world_size!r}: expected an int above local_rank "
+                f"({local_rank}), the number of workers on this machine"
+            )
         if not _is_int(restart_count) or restart_count < 0:
             raise ValueError(f"restart_count={restart_count!r}: expected an int >= 0")
         self.task_type = task_type
@@ -109,6 +115,7 @@ class ClusterResolver:
         self.master_addr = master_addr
         self.master_port = master_port
         self.local_rank = local_rank
+        self.local_world_size = local_world_size  # synchronous workers on this machine
         self.agent_store = bool(agent_store)
         self.restart_count = restart_count
         self._cluster_spec = {job: list(tasks) for job, tasks in (cluster_spec or {}).items()}
@@ -131,7 +138,8 @@ class ClusterResolver:
             f"{type(self).__name__}(task_type={self.task_type!r}, task_id={self.task_id}, "
             f"rank={self.rank}, world_size={self.world_size}, "
             f"master_addr={self.master_addr!r}, master_port={self.master_port}, "
-            f"local_rank={self.local_rank}, agent_store={self.agent_store}, "
+            f"local_rank={self.local_rank}, local_world_size={self.local_world_size}, "
+            f"agent_store={self.agent_store}, "
             f"restart_count={self.restart_count})"
         )
 
@@ -169,9 +177,10 @@ class TFConfigClusterResolver(ClusterResolver):
         if task_type in WORKER_JOBS:
             rank = workers.index((task_type, task_id))
             host = _normalize_host(addresses[(task_type, task_id)][0])
-            local_rank = sum(_normalize_host(addresses[w][0]) == host for w in workers[:rank])
+            same_host = [_normalize_host(addresses[w][0]) == host for w in workers]
+            local_rank, local_world_size = sum(same_host[:rank]), sum(same_host)
         else:
-            rank, local_rank = -1, 0
+            rank, local_rank, local_world_size = -1, 0, 1
         super().__init__(
             task_type=task_type,
             task_id=task_id,
@@ -180,6 +189,7 @@ class TFConfigClusterResolver(ClusterResolver):
             master_addr=master_addr,
             master_port=master_port,
             local_rank=local_rank,
+            local_world_size=local_world_size,
             cluster_spec=cluster,
         )
 
@@ -187,7 +197,8 @@ class TFConfigClusterResolver(ClusterResolver):
 class TorchrunClusterResolver(ClusterResolver):
     """The cluster torchrun (or ``mirrored launch``) put in this process's environment.
 
-    Reads ``RANK`` and ``WORLD_SIZE`` (required), ``LOCAL_RANK`` (default 0), ``MASTER_ADDR``
+    Reads ``RANK`` and ``WORLD_SIZE`` (required), ``LOCAL_RANK`` (default 0),
+    ``LOCAL_WORLD_SIZE`` (default ``LOCAL_RANK + 1``), ``MASTER_ADDR``
     (default ``127.0.0.1``), ``MASTER_PORT`` (required when ``WORLD_SIZE > 1``; 0 otherwise),
     ``TORCHELASTIC_USE_AGENT_STORE`` and ``TORCHELASTIC_RESTART_COUNT``. Every process is a
     ``worker`` with ``task_id == rank``: worker 0 is the chief, as in a TensorFlow cluster without
@@ -250,6 +261,7 @@ class TorchrunClusterResolver(ClusterResolver):
             master_addr=master_addr,
             master_port=master_port,
             local_rank=local_rank,
+            local_world_size=_env_int(env, "LOCAL_WORLD_SIZE", default=local_rank + 1),
             # torch.distributed.elastic compares with str(True) the same way.
             agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
             restart_count=restart_count,

@@ -35,7 +35,7 @@ from mirrored.input import (
     shardable_loader,
 )
 from mirrored.mirror import MirroredModule, MirroredOptimizer, tensors_of
-from mirrored.mirrored_strategy import MirroredStrategy
+from mirrored.mirrored_strategy import MirroredStrategy, default_devices
 from mirrored.rendezvous import ReplicaExchange
 from mirrored.values import PerReplica, ReduceOp, fingerprint, map_structure
 from mirrored.worker_group import PendingCollective, WorkerGroup
@@ -104,6 +104,22 @@ def _backend(implementation: CommunicationImplementation, devices: Sequence[Logi
     return "gloo"
 
 
+def local_share(devices: Sequence[LogicalDevice], resolver: ClusterResolver) -> list[LogicalDevice]:
+    """This worker's part of the machine's GPUs when several workers share the machine (its
+    ``local_rank``-th equal slice); every device otherwise, and the CPU's logical devices always
+    (workers on one machine share its cores)."""
+    gpus = [d for d in devices if d.device_type == "GPU"]
+    if not gpus or resolver.local_world_size == 1:
+        return list(devices)
+    share, workers = len(gpus) // resolver.local_world_size, resolver.local_world_size
+    if not share:
+        raise ValueError(
+            f"{workers} workers on this machine but {len(gpus)} GPU(s): give each worker a GPU "
+            f"at least (fewer workers per machine), or pass devices= to each worker"
+        )
+    return gpus[resolver.local_rank * share : (resolver.local_rank + 1) * share]
+
+
 class MultiWorkerMirroredStrategy(MirroredStrategy):
     """Synchronous data parallelism over the devices of several processes (workers).
 
@@ -117,8 +133,8 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         communication_options: ``CommunicationOptions`` (bucket size, timeout, gloo/NCCL).
         cluster_resolver: who this worker is; by default from torchrun's environment, else
             ``TF_CONFIG``, else a single local worker.
-        devices: this worker's devices, as for MirroredStrategy (default: its GPUs, else its
-            logical CPU devices).
+        devices: this worker's devices, as for MirroredStrategy (default: its GPUs, split
+            evenly between the workers of its machine, else its logical CPU devices).
     """
 
     def __init__(
@@ -139,6 +155,8 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
             )
         resolver = cluster_resolver or resolve_cluster()
         timeout = options.timeout_seconds or _DEFAULT_TIMEOUT_SECONDS
+        if devices is None:
+            devices = local_share(default_devices(), resolver)
         super().__init__(devices, timeout_seconds=timeout)
         self.communication_options = options
         self.cluster_resolver = resolver
