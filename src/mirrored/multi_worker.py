@@ -52,8 +52,11 @@ _DEFAULT_TIMEOUT_SECONDS = 1800.0
 class CommunicationImplementation(enum.Enum):
     """The cross-process collective library (TensorFlow's names)."""
 
-    AUTO = "AUTO"  # NCCL where every device of every worker is CUDA, else gloo (RING)
-    RING = "RING"  # gloo's ring all-reduce, on any device
+    # NCCL where every device of every worker is CUDA; else gloo (RING), except that CPU tensors
+    # are summed through shared memory when every worker runs on this machine
+    # (mirrored.same_host_all_reduce: about 7x faster than gloo over loopback).
+    AUTO = "AUTO"
+    RING = "RING"  # gloo's ring all-reduce, on any device, for every collective
     NCCL = "NCCL"  # NCCL, CUDA devices only
 
 
@@ -164,7 +167,8 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
             backend = _backend(options.implementation, self.devices)
             if backend == "nccl":  # NCCL's communicator and metadata use the current device
                 torch.cuda.set_device(self.devices[0].torch_device)
-            self._group = WorkerGroup(resolver, backend, timeout)
+            same_host = options.implementation is CommunicationImplementation.AUTO
+            self._group = WorkerGroup(resolver, backend, timeout, same_host=same_host)
         except BaseException:
             super().close()
             raise
@@ -228,7 +232,8 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         names = [d.short_name for d in self.devices]
         return (
             f"MultiWorkerMirroredStrategy(worker {self._group.rank} of {self._group.world_size}, "
-            f"devices={names}, {self._group.backend})"
+            f"devices={names}, {self._group.backend}"
+            f"{' + shared memory' if self._group.uses_shared_memory else ''})"
         )
 
     # -- running ----------------------------------------------------------------------------------

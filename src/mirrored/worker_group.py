@@ -39,7 +39,8 @@ import torch
 import torch.distributed as dist
 
 from mirrored.cluster_resolver import ClusterResolver
-from mirrored.rendezvous import SyncTimeoutError
+from mirrored.rendezvous import SyncMismatchError, SyncTimeoutError
+from mirrored.same_host_all_reduce import SameHostAllReduce
 
 __all__ = ["PendingCollective", "WorkerGroup", "WorkerLostError"]
 
@@ -85,9 +86,17 @@ class WorkerGroup:
         resolver: who this worker is and where rank 0's rendezvous store listens.
         backend: "gloo" or "nccl".
         timeout_seconds: how long any collective waits for the other workers.
+        same_host: sum CPU tensors through shared memory when every worker runs on this
+            machine (:mod:`mirrored.same_host_all_reduce`); gloo otherwise.
     """
 
-    def __init__(self, resolver: ClusterResolver, backend: str, timeout_seconds: float) -> None:
+    def __init__(
+        self,
+        resolver: ClusterResolver,
+        backend: str,
+        timeout_seconds: float,
+        same_host: bool = False,
+    ) -> None:
         if resolver.rank < 0:
             raise ValueError(
                 f"this process is task {resolver.task_type!r} {resolver.task_id}, which takes "
@@ -134,9 +143,27 @@ class WorkerGroup:
             target=self._beat, name=f"mirrored-heartbeat-{self.rank}", daemon=True
         )
         self._heartbeat.start()
+        self._same_host: SameHostAllReduce | None = None
+        if same_host and self.world_size > 1:
+            try:
+                self._same_host = SameHostAllReduce.connect(
+                    self.rank, self.world_size, timeout_seconds, self.all_gather_json
+                )
+            except BaseException:
+                self.close()
+                raise
 
     def __repr__(self) -> str:
-        return f"WorkerGroup(rank={self.rank}, world_size={self.world_size}, {self.backend})"
+        transport = " + shared memory" if self._same_host else ""
+        return (
+            f"WorkerGroup(rank={self.rank}, world_size={self.world_size}, "
+            f"{self.backend}{transport})"
+        )
+
+    @property
+    def uses_shared_memory(self) -> bool:
+        """Whether CPU all-reduces go through shared memory (every worker on this machine)."""
+        return self._same_host is not None
 
     @property
     def is_chief(self) -> bool:
@@ -148,7 +175,10 @@ class WorkerGroup:
     def all_reduce_async(self, tensor: torch.Tensor, label: str) -> PendingCollective:
         """Start summing ``tensor`` over every worker, in place."""
         with self._collective(_signed(label, tensor)) as position:
-            work = dist.all_reduce(tensor, async_op=True)
+            if self._same_host is not None and self._same_host.supports(tensor):
+                work: Any = self._same_host.all_reduce_async(tensor)
+            else:
+                work = dist.all_reduce(tensor, async_op=True)
         return PendingCollective(self, work, position)
 
     def all_reduce(self, tensor: torch.Tensor, label: str) -> None:
@@ -220,6 +250,7 @@ class WorkerGroup:
             self._position = (self._position[0], reason)
             with contextlib.suppress(Exception):  # the store may be gone with its host
                 self._store.set(self._board_key(self.rank), f"failed|{self._position[0]}|{reason}")
+        self._close_same_host()
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_process_group = False
@@ -257,6 +288,10 @@ class WorkerGroup:
         where = f"worker {self.rank} waited at {label!r} (#{seq})"
         if timed_out:
             summary = f"{where} for {self.timeout_seconds} s"
+        elif isinstance(error, SyncMismatchError):
+            summary = (
+                f"worker {self.rank} reached {label!r} (#{seq}) with another tensor than its peers"
+            )
         else:
             summary = f"{where} when a peer's connection broke"
         detail = "; ".join(explanations + parts) or f"no worker is behind ({error})"
@@ -264,7 +299,11 @@ class WorkerGroup:
             f"{summary}: {detail}. Every worker must run the same steps; restart the job "
             "(mirrored launch --max-restarts with BackupAndRestore resumes it)"
         )
-        failure: Exception = SyncTimeoutError(message) if timed_out else WorkerLostError(message)
+        failure: Exception
+        if isinstance(error, SyncMismatchError):
+            failure = SyncMismatchError(message)
+        else:
+            failure = SyncTimeoutError(message) if timed_out else WorkerLostError(message)
         self.broken = failure
         return failure
 
@@ -322,9 +361,15 @@ class WorkerGroup:
     def close(self) -> None:
         """Stop the heartbeat and tear down the process group this group created; idempotent."""
         self._stop.set()
+        self._close_same_host()
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
         self._owns_process_group = False
+
+    def _close_same_host(self) -> None:
+        if self._same_host is not None:
+            self._same_host.close()
+            self._same_host = None
 
 
 def _signed(label: str, tensor: torch.Tensor) -> str:

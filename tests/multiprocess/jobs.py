@@ -17,16 +17,22 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import mirrored
-from mirrored import config
+from mirrored import config, same_host_all_reduce
+from mirrored.same_host_all_reduce import SameHostAllReduce
 from tests.reference_loops import OPTIMIZERS, make_batches, make_mlp, train_mirrored
 
 
 def _strategy(
     timeout_seconds: float = 60, bytes_per_pack: int = 0
 ) -> mirrored.MultiWorkerMirroredStrategy:
+    """AUTO sums CPU tensors through shared memory between workers on one machine; tests of
+    gloo's path set MIRRORED_TEST_IMPLEMENTATION=RING."""
+    implementation = os.environ.get("MIRRORED_TEST_IMPLEMENTATION", "AUTO")
     return mirrored.MultiWorkerMirroredStrategy(
         communication_options=mirrored.CommunicationOptions(
-            bytes_per_pack=bytes_per_pack, timeout_seconds=timeout_seconds
+            bytes_per_pack=bytes_per_pack,
+            timeout_seconds=timeout_seconds,
+            implementation=mirrored.CommunicationImplementation[implementation],
         )
     )
 
@@ -56,13 +62,20 @@ def custom_loop(
     the program sets up torch.distributed itself first and keeps its group afterwards."""
     if user_group:
         torch.distributed.init_process_group("gloo")
-    all_reduce, sizes = torch.distributed.all_reduce, []
+    sizes: dict[str, list[int]] = {"gloo": [], "shared memory": []}
 
-    def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        sizes.append(tensor.numel())
-        return all_reduce(tensor, *args, **kwargs)
+    def counting(transport: str, all_reduce: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            tensor = next(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
+            sizes[transport].append(tensor.numel())
+            return all_reduce(*args, **kwargs)
 
-    torch.distributed.all_reduce = counted  # the cross-process all-reduces, by size
+        return counted
+
+    # The cross-process all-reduces, by size and transport.
+    shared = SameHostAllReduce
+    shared.all_reduce_async = counting("shared memory", shared.all_reduce_async)  # type: ignore[method-assign]
+    torch.distributed.all_reduce = counting("gloo", torch.distributed.all_reduce)
     with _strategy(bytes_per_pack=int(bytes_per_pack)) as strategy:
         # Each worker initialises differently: mirror gives every worker the chief's values.
         model = make_mlp(seed=1 + strategy.worker_group.rank)
@@ -117,6 +130,44 @@ def loader_loop(out: Path) -> None:
                 "losses": losses,
                 "loaded": loader.dataset.loaded,  # type: ignore[attr-defined]
             },
+        )
+
+
+def same_host_sums(out: Path, fallback: str = "") -> None:
+    """All-reduces of many shapes and types through the worker group, each beside gloo's sum of
+    the same values; ``fallback`` makes the shared-memory set-up fail in one worker ("host": it
+    claims another machine; "full": rank 0 cannot create the buffer)."""
+    rank = int(os.environ["RANK"])
+    if fallback == "host" and rank == 1:
+        same_host_all_reduce._machine_identity = lambda: "another machine"
+    if fallback == "full" and rank == 0:
+
+        def full(*args: Any) -> Any:
+            raise OSError(28, "No space left on device")
+
+        same_host_all_reduce._create = full
+    with _strategy(timeout_seconds=30) as strategy:
+        group = strategy.worker_group
+        generator = torch.Generator().manual_seed(rank)
+        values = {
+            "two chunks": torch.randn(1_500_000, generator=generator),  # 6 MB: over a 4 MiB slot
+            "odd float64": torch.randn(1001, generator=generator, dtype=torch.float64),
+            "bfloat16": torch.randn(130, generator=generator).to(torch.bfloat16),
+            "int64": torch.arange(7) * (rank + 1),
+            "empty": torch.zeros(0),
+            "strided": torch.randn(6, 4, generator=generator).t(),  # not contiguous: gloo's
+        }
+        sums = {name: value.clone() for name, value in values.items()}
+        pending = [group.all_reduce_async(sums[name], name) for name in values]  # all in flight
+        for waiting in pending:
+            waiting.wait()
+        expected = {name: value.contiguous().clone() for name, value in values.items()}
+        for value in expected.values():
+            torch.distributed.all_reduce(value)
+        _save(
+            strategy,
+            out,
+            {"sums": sums, "gloo": expected, "shared_memory": group.uses_shared_memory},
         )
 
 
@@ -400,6 +451,7 @@ JOBS: dict[str, Callable[..., None]] = {
     f.__name__: f
     for f in (
         custom_loop,
+        same_host_sums,
         loader_loop,
         per_replica_input,
         fit,

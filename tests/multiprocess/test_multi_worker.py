@@ -7,6 +7,7 @@ real: a worker killed with SIGKILL, a worker that stops stepping, workers that d
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -37,19 +38,25 @@ def _results(out: Path, num_workers: int = 2) -> list[dict]:
     return [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in range(num_workers)]
 
 
+def _implementation(name: str, num_workers: int = 2) -> dict[int, dict[str, str]]:
+    """Every worker's environment choosing ``CommunicationImplementation[name]``."""
+    return {rank: {"MIRRORED_TEST_IMPLEMENTATION": name} for rank in range(num_workers)}
+
+
 def _assert_close(expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor]) -> None:
     for name, value in expected.items():
         torch.testing.assert_close(actual[name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
 @pytest.mark.parametrize(
-    ("optimizer", "logical_devices", "cluster", "user_group", "bytes_per_pack"),
+    ("optimizer", "logical_devices", "cluster", "user_group", "bytes_per_pack", "implementation"),
     [
-        ("sgd", 2, "torchrun", "", 0),
-        ("adam", 2, "torchrun", "", 0),
-        ("adam", 2, "torchrun", "", 256),  # the MLP's gradients in 6 buckets
-        ("adam", 1, "tf_config", "", 0),
-        ("sgd", 1, "torchrun", "the program's own process group", 0),
+        ("sgd", 2, "torchrun", "", 0, "AUTO"),
+        ("adam", 2, "torchrun", "", 0, "AUTO"),
+        ("adam", 2, "torchrun", "", 0, "RING"),
+        ("adam", 2, "torchrun", "", 256, "AUTO"),  # the MLP's gradients in 6 buckets
+        ("adam", 1, "tf_config", "", 0, "AUTO"),
+        ("sgd", 1, "torchrun", "the program's own process group", 0, "AUTO"),
     ],
 )
 def test_custom_loop_equals_one_device(
@@ -59,6 +66,7 @@ def test_custom_loop_equals_one_device(
     cluster: str,
     user_group: str,
     bytes_per_pack: int,
+    implementation: str,
 ) -> None:
     workers = run_workers(
         "custom_loop",
@@ -66,15 +74,20 @@ def test_custom_loop_equals_one_device(
         args=[optimizer, user_group, str(bytes_per_pack)],
         logical_devices=logical_devices,
         cluster=cluster,
+        env=_implementation(implementation),
     )
     assert_all_succeeded(workers)
     model = make_mlp()
     losses = train_plain(model, OPTIMIZERS[optimizer](model), make_batches())
     results = _results(tmp_path)
     # Each step's gradients cross in one bucket (the MLP is below the 1 MiB first bucket), or in
-    # several with a small bytes_per_pack; each bucket carries a count per parameter too.
+    # several with a small bytes_per_pack; each bucket carries a count per parameter too. With
+    # AUTO the workers (all on this machine) sum through shared memory, with RING through gloo.
     steps = len(make_batches())
-    gradient_sizes = [n for n in results[0]["all_reduces"] if n > 1]
+    transport = "gloo" if implementation == "RING" else "shared memory"
+    other = "shared memory" if implementation == "RING" else "gloo"
+    assert not [n for n in results[0]["all_reduces"][other] if n > 1]
+    gradient_sizes = [n for n in results[0]["all_reduces"][transport] if n > 1]
     if bytes_per_pack:  # no two neighbours fit in 256 bytes: a bucket per parameter
         assert gradient_sizes == [5 + 1, 80 + 1, 16 + 1, 512 + 1, 32 + 1, 384 + 1] * steps
     else:
@@ -89,6 +102,53 @@ def test_custom_loop_equals_one_device(
     for result in results:
         for replica in result["replicas"]:
             assert all(torch.equal(replica[k], v) for k, v in first.items())
+
+
+def _shared_memory_files() -> set[str]:
+    return (
+        {p.name for p in Path("/dev/shm").glob("mirrored-*")}
+        if Path("/dev/shm").is_dir()
+        else set()
+    )
+
+
+@pytest.mark.parametrize("num_workers", [2, 3])
+def test_workers_on_one_machine_sum_through_shared_memory_as_gloo_does(
+    tmp_path: Path, num_workers: int
+) -> None:
+    before = _shared_memory_files()
+    assert_all_succeeded(run_workers("same_host_sums", tmp_path, num_workers))
+    assert _shared_memory_files() == before  # removed once every worker attached
+    results = _results(tmp_path, num_workers)
+    for result in results:
+        assert result["shared_memory"]
+        for name, expected in result["gloo"].items():
+            actual = result["sums"][name]
+            assert actual.dtype == expected.dtype and actual.shape == expected.shape, name
+            # Two workers: one addition, gloo's bits; three: another order of the same sum.
+            if num_workers == 2:
+                assert torch.equal(actual, expected), name
+            else:
+                tolerance = 2e-2 if expected.dtype == torch.bfloat16 else 1e-6
+                torch.testing.assert_close(actual, expected, rtol=tolerance, atol=tolerance)
+            # Every worker holds the same bits.
+            assert torch.equal(actual, results[0]["sums"][name]), name
+    assert torch.equal(
+        results[0]["sums"]["int64"], torch.arange(7) * sum(range(1, num_workers + 1))
+    )
+
+
+@pytest.mark.parametrize("fallback", ["host", "full"])
+def test_workers_keep_gloo_where_shared_memory_cannot_be_set_up(
+    tmp_path: Path, fallback: str
+) -> None:
+    before = _shared_memory_files()
+    assert_all_succeeded(run_workers("same_host_sums", tmp_path, args=[fallback]))
+    assert _shared_memory_files() == before
+    for result in _results(tmp_path):
+        assert not result["shared_memory"]
+        for name, expected in result["gloo"].items():
+            assert torch.equal(result["sums"][name], expected), name
 
 
 def test_each_worker_loads_only_its_part_of_a_data_loader(tmp_path: Path) -> None:
@@ -190,8 +250,13 @@ def _started(out: Path, rank: int, deadline: float = 90) -> None:
         time.sleep(0.05)
 
 
-def test_a_killed_worker_fails_the_others_with_its_rank(tmp_path: Path) -> None:
-    workers = start_workers("train_forever", tmp_path, args=["5"])
+@pytest.mark.parametrize("implementation", ["AUTO", "RING"])
+def test_a_killed_worker_fails_the_others_with_its_rank(
+    tmp_path: Path, implementation: str
+) -> None:
+    workers = start_workers(
+        "train_forever", tmp_path, args=["5"], env=_implementation(implementation)
+    )
     try:
         _started(tmp_path, 1)
         os.kill(workers[1].process.pid, signal.SIGKILL)
@@ -205,8 +270,11 @@ def test_a_killed_worker_fails_the_others_with_its_rank(tmp_path: Path) -> None:
     assert "worker 1 stopped responding" in workers[0].output
 
 
-def test_a_hung_worker_times_the_others_out_naming_it(tmp_path: Path) -> None:
-    workers = start_workers("train_forever", tmp_path, args=["3", "1"])
+@pytest.mark.parametrize("implementation", ["AUTO", "RING"])
+def test_a_hung_worker_times_the_others_out_naming_it(tmp_path: Path, implementation: str) -> None:
+    workers = start_workers(
+        "train_forever", tmp_path, args=["3", "1"], env=_implementation(implementation)
+    )
     try:
         _started(tmp_path, 1)
         hung_at = time.monotonic()
@@ -244,14 +312,23 @@ def test_a_step_failing_on_one_worker_ends_every_worker_s_collectives(
     assert peer[0][3] < 20
 
 
-def test_an_all_reduce_of_different_sizes_is_explained_at_the_timeout(tmp_path: Path) -> None:
-    workers = run_workers("mismatched_all_reduce", tmp_path)
+@pytest.mark.parametrize(
+    ("implementation", "error"),
+    [("AUTO", "SyncMismatchError: worker {rank} reached"), ("RING", "SyncTimeoutError")],
+)
+def test_an_all_reduce_of_different_sizes_is_explained(
+    tmp_path: Path, implementation: str, error: str
+) -> None:
+    # The shared-memory barrier compares sizes, so the workers fail at once; gloo cannot tell,
+    # and the timeout's diagnosis names the difference.
+    workers = run_workers("mismatched_all_reduce", tmp_path, env=_implementation(implementation))
     for worker, other in ((workers[0], "[1 x float32]"), (workers[1], "[2 x float32]")):
         assert worker.returncode != 0
-        assert "SyncTimeoutError" in worker.output or "WorkerLostError" in worker.output
-        assert (
-            f"is at the same collective (#4) with another tensor or purpose: 'all_reduce {other}'"
-            in worker.output
+        assert error.format(rank=worker.rank) in worker.output, worker.output[-1500:]
+        assert re.search(
+            rf"is at the same collective \(#\d+\) with another tensor or purpose: "
+            rf"'all_reduce {re.escape(other)}'",
+            worker.output,
         ), worker.output[-1500:]
 
 
