@@ -1,9 +1,10 @@
 """MultiWorkerMirroredStrategy: MirroredStrategy in every process, kept in sync across processes.
 
 Inside a process the replicas are exactly MirroredStrategy's (threads, logical devices). Across
-processes every collective is hierarchical: summed over the local replicas, one
-``torch.distributed`` all-reduce per bucket between the workers (gloo on CPU, NCCL where every
-device is CUDA), then shared with the local replicas again. Gradients go while backward still runs
+processes every collective is hierarchical: summed over the local replicas, one all-reduce per
+bucket between the workers (``torch.distributed``: gloo on CPU, NCCL where every device is CUDA;
+shared memory between the workers of one machine, :mod:`mirrored.same_host_all_reduce`), then
+shared with the local replicas again. Gradients go while backward still runs
 (:mod:`mirrored.gradient_reducer`). The cluster comes from ``TF_CONFIG`` or torchrun's
 environment (:mod:`mirrored.cluster_resolver`); the processes' collectives name the missing
 worker when one dies or hangs (:mod:`mirrored.worker_group`).
@@ -168,6 +169,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
             if backend == "nccl":  # NCCL's communicator and metadata use the current device
                 torch.cuda.set_device(self.devices[0].torch_device)
             same_host = options.implementation is CommunicationImplementation.AUTO
+            same_host = same_host and backend == "gloo"  # NCCL moves CUDA tensors itself
             self._group = WorkerGroup(resolver, backend, timeout, same_host=same_host)
         except BaseException:
             super().close()
