@@ -17,18 +17,22 @@ The sides:
   and optimizer from ``strategy.mirror``, ``experimental_distribute_dataset`` over the global
   batches and ``strategy.run`` of a step with ``compute_average_loss``, backward,
   ``optimizer.step()`` and ``optimizer.zero_grad()``;
+- ``mirrored_gloo``: the same with ``CommunicationImplementation.RING``: gloo for every
+  collective, as DDP (``mirrored`` uses the default, AUTO, which sums through shared memory
+  between the two processes of this machine);
 - ``ddp``: ``DistributedDataParallel`` with its defaults on the same gloo process group, fed the
   same half of each global batch by slicing it, the mean loss of that half, the same step.
 
 This script starts two worker processes with torchrun's variables (``RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT``); under ``torchrun --nproc-per-node 2`` it is a worker
-itself. Each worker creates one strategy, which sets up the default process group, and both sides
-run in those two processes on that group. Each measurement builds a fresh model and optimizer,
-runs 3 warm-up steps, then times ``--*-steps`` steps between two barriers (rank 0's wall time).
-Rounds are interleaved: each round measures both sides, the first one alternating (A/B, B/A), so
-slow drift of this shared machine falls on both. The throughput ratio mirrored / ddp is printed
-two ways, both from this run: best to best (interference only adds time, so the fastest
-measurement is the least disturbed) and the median of the per-round ratios.
+itself. Each worker creates the two strategies (the first sets up the default process group, the
+second joins it), and every side runs in those two processes on that group. Each measurement
+builds a fresh model and optimizer, runs 3 warm-up steps, then times ``--*-steps`` steps between
+two barriers (rank 0's wall time). Rounds are interleaved: each round measures every side, the
+order reversing each round, so slow drift of this shared machine falls on all. Each throughput
+ratio over ddp is printed two ways, both from this run: best to best (interference only adds
+time, so the fastest measurement is the least disturbed) and the median of the per-round
+ratios.
 
 Per-step breakdown (ms, each process's mean over the timed steps, averaged over the two processes,
 median over rounds), from ``time.perf_counter`` around the phases of every timed step:
@@ -64,6 +68,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import json
 import os
@@ -99,7 +104,10 @@ from mirrored.worker_group import PendingCollective
 
 Batch = tuple[torch.Tensor, ...]
 WORLD_SIZE = 2
-SIDES = ("ddp", "mirrored")
+# mirrored: CommunicationImplementation.AUTO (the default: shared memory between the two
+# processes of this machine); mirrored_gloo: RING, gloo as DDP uses it.
+SIDES = ("ddp", "mirrored", "mirrored_gloo")
+MIRRORED_SIDES = SIDES[1:]
 MIRRORED_OVER_DDP_GOAL = 1.0
 VOCAB_SIZE = 8000
 SEQ_LEN = 128
@@ -386,15 +394,15 @@ def summarize(
     records: dict[str, list[list[dict[str, float]]]], steps: int, breakdown: bool
 ) -> dict[str, Any]:
     seconds = {side: [rounds[0]["seconds"] for rounds in records[side]] for side in SIDES}
-    paired = statistics.median(
-        d / m for d, m in zip(seconds["ddp"], seconds["mirrored"], strict=True)
-    )
     summary: dict[str, Any] = {
         "seconds": seconds,
         "steps_per_s_best": {side: steps / min(seconds[side]) for side in SIDES},
-        "mirrored_over_ddp_best": min(seconds["ddp"]) / min(seconds["mirrored"]),
-        "mirrored_over_ddp_paired": paired,
     }
+    for side in MIRRORED_SIDES:
+        summary[f"{side}_over_ddp_best"] = min(seconds["ddp"]) / min(seconds[side])
+        summary[f"{side}_over_ddp_paired"] = statistics.median(
+            d / m for d, m in zip(seconds["ddp"], seconds[side], strict=True)
+        )
     if breakdown:
         per_round = {side: [terms(ranks) for ranks in records[side]] for side in SIDES}
         summary["breakdown_ms"] = {
@@ -408,22 +416,22 @@ def summarize(
 
 
 def print_summary(summary: dict[str, Any]) -> None:
-    best, paired = summary["mirrored_over_ddp_best"], summary["mirrored_over_ddp_paired"]
     steps_per_s = summary["steps_per_s_best"]
-    met = "yes" if best >= MIRRORED_OVER_DDP_GOAL else "NO"
-    print(
-        f"steps/s (best of rounds): ddp {steps_per_s['ddp']:.2f}, mirrored "
-        f"{steps_per_s['mirrored']:.2f}\nthroughput mirrored / ddp: best to best {best:.3f}x, "
-        f"median of per-round ratios {paired:.3f}x (aim >= {MIRRORED_OVER_DDP_GOAL:.1f}x, "
-        f"best to best): {met}"
-    )
+    print("steps/s (best of rounds): " + ", ".join(f"{s} {steps_per_s[s]:.2f}" for s in SIDES))
+    for side in MIRRORED_SIDES:
+        best, paired = summary[f"{side}_over_ddp_best"], summary[f"{side}_over_ddp_paired"]
+        met = "yes" if best >= MIRRORED_OVER_DDP_GOAL else "NO"
+        print(
+            f"throughput {side} / ddp: best to best {best:.3f}x, median of per-round ratios "
+            f"{paired:.3f}x (aim >= {MIRRORED_OVER_DDP_GOAL:.1f}x, best to best): {met}"
+        )
     if "breakdown_ms" not in summary:
         return
     table = summary["breakdown_ms"]
-    print(f"\n{'ms per step (median over rounds)':<56} {'ddp':>8} {'mirrored':>9}")
+    print(f"\n{'ms per step (median over rounds)':<56}" + "".join(f" {s:>13}" for s in SIDES))
     for key, label, both in ROWS:
-        ddp = f"{table['ddp'][key]:8.2f}" if both else f"{'-':>8}"
-        print(f"{label:<56} {ddp} {table['mirrored'][key]:9.2f}")
+        ddp = f"{table['ddp'][key]:13.2f}" if both else f"{'-':>13}"
+        print(f"{label:<56} {ddp}" + "".join(f" {table[s][key]:13.2f}" for s in MIRRORED_SIDES))
     for side in SIDES:
         largest = max(TERMS, key=lambda key: table[side][key])
         print(f"largest term, {side}: {largest} ({table[side][largest]:.2f} ms)")
@@ -437,7 +445,7 @@ def threads_per_process() -> int:
 
 
 def run_workload(
-    strategy: mirrored.MultiWorkerMirroredStrategy,
+    strategies: dict[str, mirrored.MultiWorkerMirroredStrategy],
     workload: Workload,
     steps: int,
     batch_size: int,
@@ -446,9 +454,14 @@ def run_workload(
     rank, world_size = dist.get_rank(), dist.get_world_size()
     compute_steps = max(3, steps // 3) if args.breakdown else 0
     batches = workload.make_batches(WARMUP_STEPS + steps, batch_size)
-    measure = {
-        "ddp": lambda: measure_ddp(workload, batches, steps, compute_steps),
-        "mirrored": lambda: measure_mirrored(strategy, workload, batches, steps, compute_steps),
+    measure: dict[str, Callable[[], dict[str, float]]] = {
+        "ddp": functools.partial(measure_ddp, workload, batches, steps, compute_steps),
+        **{
+            side: functools.partial(
+                measure_mirrored, strategies[side], workload, batches, steps, compute_steps
+            )
+            for side in MIRRORED_SIDES
+        },
     }
     if rank == 0:
         print(
@@ -478,13 +491,22 @@ def run_workload(
 
 
 def worker(args: argparse.Namespace) -> None:
-    """One process of the job (RANK and WORLD_SIZE set): both sides, every round."""
+    """One process of the job (RANK and WORLD_SIZE set): every side, every round."""
     torch.set_num_threads(threads_per_process())
     if args.breakdown:
         instrument_strategy()
-    # Collectives fail (naming the missing worker) well before the launcher ends the job.
-    options = mirrored.CommunicationOptions(timeout_seconds=args.timeout / 3)
-    strategy = mirrored.MultiWorkerMirroredStrategy(options, devices=["cpu:0"])
+    # Collectives fail (naming the missing worker) well before the launcher ends the job. The
+    # first strategy sets up the process group, the second joins it.
+    strategies = {
+        side: mirrored.MultiWorkerMirroredStrategy(
+            mirrored.CommunicationOptions(
+                timeout_seconds=args.timeout / 3,
+                implementation=mirrored.CommunicationImplementation[implementation],
+            ),
+            devices=["cpu:0"],
+        )
+        for side, implementation in zip(MIRRORED_SIDES, ("AUTO", "RING"), strict=True)
+    }
     try:
         world_size = dist.get_world_size()
         for name in ("mlp", "bert"):
@@ -499,13 +521,14 @@ def worker(args: argparse.Namespace) -> None:
             print(
                 f"{world_size} processes x 1 device, {torch.get_num_threads()} thread(s) each "
                 f"(OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}), gloo on 127.0.0.1, "
-                f"Adam lr {LEARNING_RATE}",
+                f"Adam lr {LEARNING_RATE}; "
+                + ", ".join(f"{side}: {strategy!r}" for side, strategy in strategies.items()),
                 flush=True,
             )
         names = list(WORKLOADS) if args.workload == "both" else [args.workload]
         results = {
             name: run_workload(
-                strategy,
+                strategies,
                 WORKLOADS[name],
                 getattr(args, f"{name}_steps"),
                 getattr(args, f"{name}_batch_size"),
@@ -517,7 +540,8 @@ def worker(args: argparse.Namespace) -> None:
             with open(args.json, "w") as file:
                 json.dump({"machine": machine, "settings": vars(args), "results": results}, file)
     finally:
-        strategy.close()
+        for strategy in reversed(strategies.values()):  # the group's owner last
+            strategy.close()
 
 
 def launch(argv: Sequence[str], timeout: float) -> int:
