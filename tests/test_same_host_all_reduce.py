@@ -3,6 +3,7 @@ in for worker processes (tests/multiprocess covers real processes)."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from mirrored.rendezvous import SyncMismatchError
-from mirrored.same_host_all_reduce import SameHostAllReduce, _part
+from mirrored.same_host_all_reduce import LocalReduceError, SameHostAllReduce, _part
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 8])
@@ -44,17 +45,25 @@ def _thread_exchange(world_size: int) -> Callable[[int], Callable[[Any, str], li
     return for_rank
 
 
-@pytest.fixture
-def pair() -> Iterator[list[SameHostAllReduce]]:
-    exchange = _thread_exchange(2)
-    with ThreadPoolExecutor(2) as pool:
+def _connect_all(world_size: int, timeout: float) -> list[SameHostAllReduce]:
+    exchange = _thread_exchange(world_size)
+    with ThreadPoolExecutor(world_size) as pool:
         transports = list(
-            pool.map(lambda r: SameHostAllReduce.connect(r, 2, 2.0, exchange(r)), range(2))
+            pool.map(
+                lambda r: SameHostAllReduce.connect(r, world_size, timeout, exchange(r)),
+                range(world_size),
+            )
         )
     assert all(transports)
-    yield transports  # type: ignore[misc]
+    return transports  # type: ignore[return-value]
+
+
+@pytest.fixture
+def pair() -> Iterator[list[SameHostAllReduce]]:
+    transports = _connect_all(2, 2.0)
+    yield transports
     for transport in transports:
-        transport.close()  # type: ignore[union-attr]
+        transport.close()
 
 
 def test_two_ranks_sum_and_a_different_size_fails_both_at_once(
@@ -92,7 +101,91 @@ def test_a_peer_that_closes_fails_the_waiting_one_at_once(pair: list[SameHostAll
     assert time.monotonic() - started < 1.0
 
 
+def test_strided_tensors_and_tensors_that_require_grad_are_summed_in_place(
+    pair: list[SameHostAllReduce],
+) -> None:
+    strided = [torch.arange(12.0).view(3, 4).t(), torch.ones(3, 4).t()]
+    leaves = [torch.ones(3, requires_grad=True), torch.full((3,), 2.0, requires_grad=True)]
+    pending = [t.all_reduce_async(v) for t, v in zip(pair, strided, strict=True)]
+    pending += [t.all_reduce_async(v) for t, v in zip(pair, leaves, strict=True)]
+    for waiting in pending:
+        waiting.wait()
+    for value in strided:
+        assert value.stride() == (1, 4)
+        assert torch.equal(value, torch.arange(12.0).view(3, 4).t() + 1)
+    for leaf in leaves:
+        assert leaf.requires_grad and leaf.is_leaf
+        assert torch.equal(leaf.detach(), torch.full((3,), 3.0))
+
+
+def test_an_error_of_one_worker_s_own_is_not_blamed_on_a_peer(
+    pair: list[SameHostAllReduce],
+) -> None:
+    # Writing the sum back into an expanded tensor fails on this worker alone.
+    overlapping = pair[0].all_reduce_async(torch.ones(1).expand(4))
+    fine = pair[1].all_reduce_async(torch.ones(4))
+    with pytest.raises(LocalReduceError, match="single memory location"):
+        overlapping.wait()
+    fine.wait()
+    with pytest.raises(LocalReduceError):  # broken for good
+        pair[0].all_reduce_async(torch.ones(4)).wait()
+    started = time.monotonic()
+    with pytest.raises(ConnectionError):  # its peer's next collective fails at once
+        pair[1].all_reduce_async(torch.ones(4)).wait()
+    assert time.monotonic() - started < 1.0
+
+
+def test_a_collective_started_after_close_fails_at_once(pair: list[SameHostAllReduce]) -> None:
+    pair[0].close()
+    pair[0].close()  # idempotent
+    with pytest.raises(RuntimeError, match="was closed"):
+        pair[0].all_reduce_async(torch.ones(2)).wait()
+
+
+def test_a_barrier_waits_one_timeout_for_all_its_peers() -> None:
+    # Rank 1 comes late, rank 2 never: rank 0 gives up one timeout after it began waiting,
+    # not one timeout after each peer in turn.
+    transports = _connect_all(3, 2.0)
+    try:
+        started = time.monotonic()
+        waiting = transports[0].all_reduce_async(torch.ones(2))
+        time.sleep(1.6)
+        late = transports[1].all_reduce_async(torch.ones(2))
+        with pytest.raises(TimeoutError, match="timed out"):
+            waiting.wait()
+        assert time.monotonic() - started < 3.0  # 2 s, where waiting on each in turn takes 3.6
+        with pytest.raises(ConnectionError):
+            late.wait()
+    finally:
+        for transport in transports:
+            transport.close()
+
+
+def test_a_forked_child_leaves_its_parent_s_connections_alone(
+    pair: list[SameHostAllReduce],
+) -> None:
+    child = os.fork()
+    if child == 0:  # as a DataLoader worker ending would
+        pair[0].close()
+        os._exit(0)
+    assert os.waitpid(child, 0)[1] == 0
+    values = [torch.ones(2), torch.ones(2)]
+    pending = [t.all_reduce_async(v) for t, v in zip(pair, values, strict=True)]
+    for waiting in pending:
+        waiting.wait()
+    assert all(torch.equal(v, torch.full((2,), 2.0)) for v in values)
+
+
 def test_what_it_cannot_sum_is_refused() -> None:
-    assert not SameHostAllReduce.supports(torch.ones(4, 2).t())
-    assert not SameHostAllReduce.supports(torch.ones(2, dtype=torch.bool))
+    assert SameHostAllReduce.supports(torch.ones(4, 2).t())  # strided: summed in a copy
     assert SameHostAllReduce.supports(torch.ones(2, dtype=torch.bfloat16))
+    assert not SameHostAllReduce.supports(torch.ones(2, dtype=torch.bool))
+    assert not SameHostAllReduce.supports(torch.ones(2, dtype=torch.complex64))
+    assert not SameHostAllReduce.supports(torch.eye(3).to_sparse())
+
+
+def test_nothing_is_set_up_for_one_worker() -> None:
+    def exchange(value: Any, label: str) -> list[Any]:
+        raise AssertionError("a lone worker exchanges nothing")
+
+    assert SameHostAllReduce.connect(0, 1, 1.0, exchange) is None

@@ -234,8 +234,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         names = [d.short_name for d in self.devices]
         return (
             f"MultiWorkerMirroredStrategy(worker {self._group.rank} of {self._group.world_size}, "
-            f"devices={names}, {self._group.backend}"
-            f"{' + shared memory' if self._group.uses_shared_memory else ''})"
+            f"devices={names}, {self._group.transport})"
         )
 
     # -- running ----------------------------------------------------------------------------------

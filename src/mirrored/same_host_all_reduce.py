@@ -7,25 +7,28 @@ effect on a whole step). So when every worker of a job runs on this machine,
 ``MultiWorkerMirroredStrategy`` (``CommunicationImplementation.AUTO``) sums CPU tensors here:
 
 1. each worker copies its tensor into its own slot of a shared buffer;
-2. barrier; worker ``r`` sums the ``r``-th part of every slot (slots in rank order) into the
+2. barrier A; worker ``r`` sums the ``r``-th part of every slot (slots in rank order) into the
    output area: every element is summed once, in one order, so every worker gets the same bits;
-3. barrier; each worker copies the whole output back into its tensor.
+3. barrier B; each worker copies the whole output back into its tensor.
 
 Tensors larger than a slot go in slot-sized chunks. Two barriers per chunk suffice: a worker
-writes its slot for the next chunk only after everyone passed the first barrier of this one
-(nobody still reads the slots), and its part of the output only after everyone passed the first
-barrier of the next (nobody still copies the output out).
+writes its slot for the next chunk only after everyone passed barrier B of this one (everyone
+has finished summing, so nobody reads the slots any more), and its part of the output only after
+everyone passed barrier A of the next (everyone has finished copying this chunk's output out).
 
 The barriers are one-byte-per-worker messages over Unix sockets to rank 0, not spin-waits on
 shared flags: they cost no CPU while waiting, their kernel calls order the buffer's writes before
-the peers' reads, a peer that dies closes its socket (the others fail at once), and every wait
-has the job's timeout. Each barrier also carries the collective's number, size and type, so
-workers that reduce different tensors fail at once instead of summing garbage.
+the peers' reads, a peer that dies closes its socket (the others fail at once), and each barrier
+waits at most the job's timeout in all. Each barrier also carries the collective's number, size
+and type, so workers that reduce different tensors fail at once instead of summing garbage.
 
-The buffer and socket live in a private directory (mode 0700) of ``/dev/shm`` that rank 0
-removes as soon as everyone has attached: nothing is left behind, even after ``kill -9``. Where
-any step of the set-up fails (workers on different machines or containers, ``/dev/shm`` too
-small), every worker keeps gloo.
+Nothing has a name on any file system: the buffer is an anonymous memory file (``memfd``) that
+rank 0 hands to each worker over a Unix socket in Linux's abstract namespace, which the kernel
+removes with its last user, so a worker killed at any moment (during the set-up too) leaves
+nothing behind. The buffer takes (workers + 1) x 4 MiB of memory (36 MiB for 8 workers), not
+counted against ``/dev/shm``. Where any step of the set-up fails (workers on different machines
+or in different network namespaces, no ``memfd`` outside Linux, memory short), every worker
+keeps gloo.
 """
 
 from __future__ import annotations
@@ -35,11 +38,12 @@ import mmap
 import os
 import queue
 import secrets
-import shutil
+import selectors
 import socket
 import struct
-import tempfile
+import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -48,9 +52,9 @@ import torch
 
 from mirrored.rendezvous import SyncMismatchError
 
-__all__ = ["PendingReduce", "SameHostAllReduce"]
+__all__ = ["LocalReduceError", "PendingReduce", "SameHostAllReduce"]
 
-# Per-worker slot: small enough that 8 workers fit Docker's default 64 MB /dev/shm (9 areas).
+# Per-worker slot: 8 workers' slots and the output area take 36 MiB.
 _SLOT_BYTES = 4 << 20
 _PART_ALIGN = 64  # elements: each worker's part starts on a cache line
 _DTYPES = [
@@ -66,9 +70,14 @@ _DTYPES = [
 ]
 _HEADER = struct.Struct("<QQBB")  # collective number, number of elements, dtype, phase
 _TOKEN_BYTES = 16
+_HELLO = struct.Struct(f"<I{_TOKEN_BYTES}s")  # a worker's rank and the job's token
 _OK, _MISMATCH = b"\x01", b"\x00"
 
 Exchange = Callable[[Any, str], list[Any]]  # WorkerGroup.all_gather_json: one value per rank
+
+
+class LocalReduceError(RuntimeError):
+    """This worker could not take part in an all-reduce for a reason of its own (not a peer's)."""
 
 
 class SameHostAllReduce:
@@ -87,7 +96,6 @@ class SameHostAllReduce:
         timeout_seconds: float,
     ) -> None:
         self._rank, self._world_size = rank, world_size
-        self._buffer = buffer
         self._bytes = torch.frombuffer(buffer, dtype=torch.uint8)
         self._peers = peers  # rank 0: a socket per other worker, in rank order; others: rank 0's
         for peer in peers:
@@ -95,6 +103,9 @@ class SameHostAllReduce:
         self._timeout_seconds = timeout_seconds
         self._count = 0
         self._broken: BaseException | None = None
+        self._closed = False
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
         self._queue: queue.SimpleQueue[tuple[torch.Tensor, PendingReduce] | None] = (
             queue.SimpleQueue()
         )
@@ -107,39 +118,39 @@ class SameHostAllReduce:
     def connect(
         cls, rank: int, world_size: int, timeout_seconds: float, exchange: Exchange
     ) -> SameHostAllReduce | None:
-        """Attach every worker to one shared buffer, or return None on every worker where any of
-        them cannot (the workers are on different machines, or ``/dev/shm`` is too small).
+        """Give every worker the same shared buffer, or return None on every worker where any of
+        them cannot have it (the workers are on different machines, or memory is short).
 
         Collective: every worker calls it at the same point. ``exchange`` gathers one JSON value
         from each worker.
         """
-        hosts = exchange(_machine_identity(), "same-host all-reduce: machines")
-        if world_size < 2 or any(host != hosts[0] for host in hosts):
+        if world_size < 2:
+            return None
+        identity = _machine_identity() if _supported_here() else None
+        hosts = exchange(identity, "same-host all-reduce: machines")
+        if hosts[0] is None or any(host != hosts[0] for host in hosts):
             return None
         size = _SLOT_BYTES * (world_size + 1)
-        directory = listener = None
-        buffer, peers = None, []
+        memory, listener, buffer = None, None, None
+        peers: list[socket.socket] = []
         try:
             offer: dict[str, str] = {}
             if rank == 0:
                 with contextlib.suppress(OSError):
-                    directory, listener, token = _create(size, world_size)
-                    offer = {"directory": str(directory), "token": token}
+                    memory, listener, offer = _create(size, world_size)
             offer = exchange(offer, "same-host all-reduce: buffer")[0]
-            attached = False
             if offer and rank != 0:
+                with contextlib.suppress(OSError):
+                    peers = [_connect(offer, rank, timeout_seconds)]
+            connected = bool(offer) and (rank == 0 or bool(peers))
+            if all(exchange(connected, "same-host all-reduce: connected")):
                 with contextlib.suppress(OSError, ValueError):
-                    buffer, peer = _attach(Path(offer["directory"]), offer["token"], rank, size)
-                    peers.append(peer)
-                    attached = True
-            attached = all(
-                exchange(bool(offer) and (rank == 0 or attached), "same-host all-reduce: attached")
-            )
-            if attached and listener is not None:
-                with contextlib.suppress(OSError, ValueError):
-                    peers = _accept(listener, offer["token"], world_size, timeout_seconds)
-                    buffer = _map(Path(offer["directory"]) / "buffer", size)
-            if not all(exchange(buffer is not None and attached, "same-host all-reduce: ready")):
+                    if listener is not None and memory is not None:
+                        peers = _accept(listener, memory, offer, world_size, timeout_seconds)
+                        buffer = mmap.mmap(memory, size)
+                    else:
+                        buffer = _receive_buffer(peers[0], offer, size, timeout_seconds)
+            if not all(exchange(buffer is not None, "same-host all-reduce: ready")):
                 return None
             assert buffer is not None
             transport, peers = cls(rank, world_size, buffer, peers, timeout_seconds), []
@@ -149,38 +160,53 @@ class SameHostAllReduce:
                 peer.close()
             if listener is not None:
                 listener.close()
-            if directory is not None:  # everyone has attached or given up: no file outlives us
-                shutil.rmtree(directory, ignore_errors=True)
+            if memory is not None:  # the mapping keeps the memory; the kernel frees it with that
+                os.close(memory)
 
     # -- collectives ------------------------------------------------------------------------------
     @staticmethod
     def supports(tensor: torch.Tensor) -> bool:
-        """Whether this transport can sum ``tensor`` (a contiguous CPU tensor of a numeric type);
-        the same answer on every worker for the same collective."""
-        return tensor.device.type == "cpu" and tensor.dtype in _DTYPES and tensor.is_contiguous()
+        """Whether this transport can sum ``tensor`` (a dense CPU tensor of a numeric type); the
+        same answer on every worker for the same collective, whatever the tensor's strides."""
+        return (
+            tensor.device.type == "cpu"
+            and tensor.layout == torch.strided
+            and tensor.dtype in _DTYPES
+        )
 
     def all_reduce_async(self, tensor: torch.Tensor) -> PendingReduce:
-        """Start summing ``tensor`` over every worker, in place; leave it alone until ``wait()``."""
+        """Start summing ``tensor`` over every worker, in place; leave it alone until ``wait()``.
+        After ``close`` (or a failed collective) it fails at once."""
         if not self.supports(tensor):
             raise ValueError(f"cannot all-reduce a {tensor.dtype} tensor on {tensor.device} here")
         pending = PendingReduce()
-        self._queue.put((tensor, pending))
+        with self._lock:
+            if not self._closed:
+                self._queue.put((tensor, pending))
+                return pending
+        pending.finish(self._broken)
         return pending
 
     def _serve(self) -> None:
-        while (item := self._queue.get()) is not None:
-            tensor, pending = item
-            if self._broken is None:
-                try:
-                    self._all_reduce(tensor)
-                except BaseException as error:  # every later collective fails with it
-                    self._broken = error
-                    self._close_peers()
-            pending.finish(self._broken)
+        try:
+            with torch.no_grad():  # in-place writes to tensors that require grad are fine here
+                while (item := self._queue.get()) is not None:
+                    tensor, pending = item
+                    if self._broken is None:
+                        try:
+                            self._all_reduce(tensor)
+                        except BaseException as error:  # every later collective fails with it
+                            self._broken = _blame(error)
+                            self._shutdown_peers()
+                    pending.finish(self._broken)
+        finally:
+            for peer in self._peers:  # only this thread closes them: no fd is reused under it
+                peer.close()
 
     def _all_reduce(self, tensor: torch.Tensor) -> None:
         self._count += 1
-        flat = tensor.view(-1)
+        dense = tensor if tensor.is_contiguous() else tensor.contiguous()
+        flat = dense.view(-1)
         code = _DTYPES.index(flat.dtype)
         step = _SLOT_BYTES // flat.element_size()
         slots = [self._area(i, flat.dtype, step) for i in range(self._world_size + 1)]
@@ -197,6 +223,8 @@ class SameHostAllReduce:
                 mine.add_(slot[lo:hi])
             self._barrier(_HEADER.pack(self._count, flat.numel(), code, 1))
             chunk.copy_(output[:n])
+        if dense is not tensor:
+            tensor.copy_(dense)
 
     def _area(self, index: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
         start = index * _SLOT_BYTES
@@ -206,10 +234,10 @@ class SameHostAllReduce:
         """Wait until every worker has reached this point with the same ``header``."""
         if self._rank != 0:
             self._peers[0].sendall(header)
-            if _receive(self._peers[0], 1) != _OK:
+            if _receive_all(self._peers, 1, self._timeout_seconds) != [_OK]:
                 raise SyncMismatchError(self._mismatch(header))
             return
-        headers = [_receive(peer, len(header)) for peer in self._peers]
+        headers = _receive_all(self._peers, len(header), self._timeout_seconds)
         verdict = _OK if all(h == header for h in headers) else _MISMATCH
         for peer in self._peers:
             peer.sendall(verdict)
@@ -219,26 +247,32 @@ class SameHostAllReduce:
     def _mismatch(self, header: bytes) -> str:
         count, numel, code, _ = _HEADER.unpack(header)
         return (
-            f"the workers' all-reduce #{count} of this transport has different tensors "
+            f"the workers reached all-reduce #{count} of this transport with different tensors "
             f"(this worker's: {numel} x {_DTYPES[code]})"
         )
 
     # -- lifetime ---------------------------------------------------------------------------------
     def close(self) -> None:
-        """Close the connections (a peer's pending or next collective fails at once) and stop the
-        thread; idempotent."""
-        if self._broken is None:
-            self._broken = RuntimeError("the same-host all-reduce was closed")
-        self._close_peers()
-        self._queue.put(None)
+        """Shut the connections (a peer's pending or next collective fails at once), fail this
+        worker's later collectives and stop the thread; idempotent. A forked child leaves its
+        parent's connections alone."""
+        if os.getpid() != self._pid:
+            return
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                if self._broken is None:
+                    self._broken = RuntimeError("the same-host all-reduce was closed")
+                self._queue.put(None)
+        self._shutdown_peers()
         if threading.current_thread() is not self._thread:
             self._thread.join()
 
-    def _close_peers(self) -> None:
+    def _shutdown_peers(self) -> None:
+        """Wake a wait on the connections from any thread (closing them is ``_serve``'s)."""
         for peer in self._peers:
             with contextlib.suppress(OSError):
                 peer.shutdown(socket.SHUT_RDWR)
-            peer.close()
 
 
 class PendingReduce:
@@ -266,6 +300,16 @@ class PendingReduce:
             raise self._error
 
 
+def _blame(error: BaseException) -> BaseException:
+    """A failed collective's error as the worker group reads it: socket errors and mismatches
+    involve a peer; anything else is this worker's own (``LocalReduceError``)."""
+    if isinstance(error, (OSError, SyncMismatchError)):
+        return error
+    local = LocalReduceError(f"{type(error).__name__}: {error}")
+    local.__cause__ = error
+    return local
+
+
 def _part(numel: int, rank: int, world_size: int) -> tuple[int, int]:
     """The range of a chunk's elements that ``rank`` sums: equal parts on ``_PART_ALIGN``."""
     per = -(-numel // world_size)
@@ -273,92 +317,120 @@ def _part(numel: int, rank: int, world_size: int) -> tuple[int, int]:
     return min(numel, rank * per), min(numel, (rank + 1) * per)
 
 
+def _supported_here() -> bool:
+    """Anonymous memory files, passing descriptors, and abstract socket names: Linux's."""
+    return sys.platform == "linux" and hasattr(os, "memfd_create") and hasattr(socket, "send_fds")
+
+
 def _machine_identity() -> str:
     """The same string in every process of one running machine (its host name and boot id), and
-    a different one elsewhere; containers that share a kernel are told apart at attach time."""
+    a different one elsewhere; containers that share a kernel but not a network namespace are
+    told apart when they connect."""
     boot = Path("/proc/sys/kernel/random/boot_id")
     with contextlib.suppress(OSError):
         return f"{socket.gethostname()}/{boot.read_text().strip()}"
     return socket.gethostname()
 
 
-def _create(size: int, world_size: int) -> tuple[Path, socket.socket, str]:
-    """Rank 0: a private directory holding the buffer (its pages reserved now, so a full
-    ``/dev/shm`` fails here rather than with SIGBUS later) and a listening socket."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    directory = Path(tempfile.mkdtemp(prefix="mirrored-", dir=base))
+def _create(size: int, world_size: int) -> tuple[int, socket.socket, dict[str, str]]:
+    """Rank 0: the buffer as an anonymous memory file (its pages reserved now, so short memory
+    fails here rather than with SIGBUS later), a socket listening on a random abstract name, and
+    the offer the others need to connect to it."""
+    memory = os.memfd_create("mirrored-same-host-all-reduce", os.MFD_CLOEXEC)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        token = secrets.token_hex(_TOKEN_BYTES)
-        with open(directory / "buffer", "wb") as file:
-            if hasattr(os, "posix_fallocate"):
-                os.posix_fallocate(file.fileno(), 0, size)
-            else:
-                file.truncate(size)
-        _map(directory / "buffer", size)[-_TOKEN_BYTES:] = bytes.fromhex(token)
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            listener.bind(str(directory / "socket"))
-            listener.listen(world_size)
-        except OSError:
-            listener.close()
-            raise
+        os.posix_fallocate(memory, 0, size)
+        offer = {
+            "name": f"mirrored-{secrets.token_hex(8)}",
+            "token": secrets.token_hex(_TOKEN_BYTES),
+        }
+        listener.bind("\0" + offer["name"])
+        listener.listen(world_size)
     except OSError:
-        shutil.rmtree(directory, ignore_errors=True)
+        listener.close()
+        os.close(memory)
         raise
-    return directory, listener, token
+    return memory, listener, offer
 
 
-def _attach(directory: Path, token: str, rank: int, size: int) -> tuple[mmap.mmap, socket.socket]:
-    """Another worker: map the buffer, check it is rank 0's (its token is at the end), connect
-    and introduce itself. Rank 0 accepts once everyone has connected."""
-    buffer = _map(directory / "buffer", size)
-    if buffer[-_TOKEN_BYTES:] != bytes.fromhex(token):
-        raise ValueError("another machine's buffer")
+def _connect(offer: dict[str, str], rank: int, timeout_seconds: float) -> socket.socket:
+    """Another worker: connect to rank 0's socket and introduce itself with the job's token."""
     peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        peer.connect(str(directory / "socket"))
-        peer.sendall(struct.pack("<I", rank) + bytes.fromhex(token))
+        peer.settimeout(timeout_seconds)
+        peer.connect("\0" + offer["name"])
+        peer.sendall(_HELLO.pack(rank, bytes.fromhex(offer["token"])))
     except OSError:
         peer.close()
         raise
-    return buffer, peer
+    return peer
 
 
 def _accept(
-    listener: socket.socket, token: str, world_size: int, timeout_seconds: float
+    listener: socket.socket,
+    memory: int,
+    offer: dict[str, str],
+    world_size: int,
+    timeout_seconds: float,
 ) -> list[socket.socket]:
-    """Rank 0: every other worker's connection, in rank order."""
-    listener.settimeout(timeout_seconds)
+    """Rank 0: every other worker's connection, in rank order, each sent the buffer (its file
+    descriptor) and the token; all within one timeout."""
+    deadline = time.monotonic() + timeout_seconds
+    token = bytes.fromhex(offer["token"])
+    accepted: list[socket.socket] = []  # closed on failure, whatever they said
     peers: dict[int, socket.socket] = {}
     try:
         while len(peers) < world_size - 1:
+            listener.settimeout(max(deadline - time.monotonic(), 0.001))
             peer, _ = listener.accept()
-            peer.settimeout(timeout_seconds)
-            hello = _receive(peer, 4 + _TOKEN_BYTES)
-            (rank,) = struct.unpack("<I", hello[:4])
-            if hello[4:] != bytes.fromhex(token) or not 0 < rank < world_size or rank in peers:
-                peer.close()
+            accepted.append(peer)
+            [hello] = _receive_all([peer], _HELLO.size, deadline - time.monotonic())
+            rank, their_token = _HELLO.unpack(hello)
+            if their_token != token or not 0 < rank < world_size or rank in peers:
                 raise ValueError(f"unexpected connection to the same-host all-reduce: {hello!r}")
             peers[rank] = peer
+            socket.send_fds(peer, [token], [memory])
     except BaseException:
-        for peer in peers.values():
+        for peer in accepted:
             peer.close()
         raise
     return [peers[rank] for rank in sorted(peers)]
 
 
-def _map(path: Path, size: int) -> mmap.mmap:
-    with open(path, "r+b") as file:
-        return mmap.mmap(file.fileno(), size)
+def _receive_buffer(
+    peer: socket.socket, offer: dict[str, str], size: int, timeout_seconds: float
+) -> mmap.mmap:
+    """Another worker: rank 0's buffer, mapped (checked to come with the job's token)."""
+    peer.settimeout(timeout_seconds)
+    message, fds, _, _ = socket.recv_fds(peer, _TOKEN_BYTES, 1)
+    try:
+        if message != bytes.fromhex(offer["token"]) or len(fds) != 1:
+            raise ValueError("the same-host all-reduce's socket sent no buffer")
+        return mmap.mmap(fds[0], size)
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
-def _receive(peer: socket.socket, size: int) -> bytes:
-    """Exactly ``size`` bytes; a closed connection (its worker ended) is a ConnectionError and a
-    silent one a TimeoutError ("timed out"), after the job's timeout."""
-    data = bytearray()
-    while len(data) < size:
-        received = peer.recv(size - len(data))
-        if not received:
-            raise ConnectionError("a peer worker's same-host connection closed")
-        data += received
-    return bytes(data)
+def _receive_all(peers: list[socket.socket], size: int, timeout: float) -> list[bytes]:
+    """Exactly ``size`` bytes from each of ``peers``, all within ``timeout`` seconds: a closed
+    connection (its worker ended) is a ConnectionError, and silence a TimeoutError ("timed
+    out")."""
+    deadline = time.monotonic() + timeout
+    received = [bytearray() for _ in peers]
+    with selectors.DefaultSelector() as selector:
+        for index, peer in enumerate(peers):
+            selector.register(peer, selectors.EVENT_READ, index)
+        while selector.get_map():
+            ready = selector.select(deadline - time.monotonic())
+            if not ready:
+                raise TimeoutError("timed out")
+            for key, _ in ready:
+                index = key.data
+                data = peers[index].recv(size - len(received[index]))
+                if not data:
+                    raise ConnectionError("a peer worker's same-host connection closed")
+                received[index] += data
+                if len(received[index]) == size:
+                    selector.unregister(peers[index])
+    return [bytes(data) for data in received]

@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from mirrored.cluster_resolver import ClusterResolver
 from mirrored.rendezvous import SyncMismatchError, SyncTimeoutError
-from mirrored.same_host_all_reduce import SameHostAllReduce
+from mirrored.same_host_all_reduce import LocalReduceError, SameHostAllReduce
 
 __all__ = ["PendingCollective", "WorkerGroup", "WorkerLostError"]
 
@@ -144,7 +144,7 @@ class WorkerGroup:
         )
         self._heartbeat.start()
         self._same_host: SameHostAllReduce | None = None
-        if same_host and self.world_size > 1:
+        if same_host:
             try:
                 self._same_host = SameHostAllReduce.connect(
                     self.rank, self.world_size, timeout_seconds, self.all_gather_json
@@ -154,11 +154,13 @@ class WorkerGroup:
                 raise
 
     def __repr__(self) -> str:
-        transport = " + shared memory" if self._same_host else ""
-        return (
-            f"WorkerGroup(rank={self.rank}, world_size={self.world_size}, "
-            f"{self.backend}{transport})"
-        )
+        return f"WorkerGroup(rank={self.rank}, world_size={self.world_size}, {self.transport})"
+
+    @property
+    def transport(self) -> str:
+        """How the collectives travel: the backend, with " + shared memory" where CPU
+        all-reduces go through it."""
+        return self.backend + (" + shared memory" if self._same_host else "")
 
     @property
     def uses_shared_memory(self) -> bool:
@@ -261,6 +263,13 @@ class WorkerGroup:
         if self.broken is not None:
             return RuntimeError(f"an earlier collective failed: {self.broken}")
         seq, label = position
+        if isinstance(error, LocalReduceError):  # not a peer's doing: say so, blame no one
+            own = RuntimeError(
+                f"worker {self.rank} could not take part in {label!r} (#{seq}) itself: {error}; "
+                "its peers fail too, since the workers' collectives no longer pair up"
+            )
+            self.broken = own
+            return own
         timed_out = "timed out" in str(error).lower() or "timeout" in str(error).lower()
         peers = self._peer_positions()
         behind, silent = [], []

@@ -136,16 +136,20 @@ def loader_loop(out: Path) -> None:
 def same_host_sums(out: Path, fallback: str = "") -> None:
     """All-reduces of many shapes and types through the worker group, each beside gloo's sum of
     the same values; ``fallback`` makes the shared-memory set-up fail in one worker ("host": it
-    claims another machine; "full": rank 0 cannot create the buffer)."""
+    claims another machine; "full": rank 0 cannot create the buffer; "attach": rank 1 cannot
+    connect to it; "die": rank 0 exits while handing it out)."""
     rank = int(os.environ["RANK"])
     if fallback == "host" and rank == 1:
         same_host_all_reduce._machine_identity = lambda: "another machine"
-    if fallback == "full" and rank == 0:
+    if (fallback, rank) in (("full", 0), ("attach", 1)):
 
-        def full(*args: Any) -> Any:
-            raise OSError(28, "No space left on device")
+        def fail(*args: Any) -> Any:
+            raise OSError(12, "Cannot allocate memory")
 
-        same_host_all_reduce._create = full
+        name = "_create" if fallback == "full" else "_connect"
+        setattr(same_host_all_reduce, name, fail)
+    if fallback == "die" and rank == 0:
+        same_host_all_reduce._accept = lambda *args: os._exit(3)
     with _strategy(timeout_seconds=30) as strategy:
         group = strategy.worker_group
         generator = torch.Generator().manual_seed(rank)
@@ -153,22 +157,45 @@ def same_host_sums(out: Path, fallback: str = "") -> None:
             "two chunks": torch.randn(1_500_000, generator=generator),  # 6 MB: over a 4 MiB slot
             "odd float64": torch.randn(1001, generator=generator, dtype=torch.float64),
             "bfloat16": torch.randn(130, generator=generator).to(torch.bfloat16),
+            "float16": torch.randn(70, generator=generator).to(torch.float16),
             "int64": torch.arange(7) * (rank + 1),
+            "int8 wraps around": torch.full((5,), 100, dtype=torch.int8),
             "empty": torch.zeros(0),
-            "strided": torch.randn(6, 4, generator=generator).t(),  # not contiguous: gloo's
+            "strided": torch.randn(6, 4, generator=generator).t(),  # summed in a contiguous copy
+            "requires grad": torch.randn(9, generator=generator).requires_grad_(),
         }
-        sums = {name: value.clone() for name, value in values.items()}
+        sums = {n: v.detach().clone().requires_grad_(v.requires_grad) for n, v in values.items()}
         pending = [group.all_reduce_async(sums[name], name) for name in values]  # all in flight
         for waiting in pending:
             waiting.wait()
-        expected = {name: value.contiguous().clone() for name, value in values.items()}
+        expected = {name: value.detach().contiguous().clone() for name, value in values.items()}
         for value in expected.values():
             torch.distributed.all_reduce(value)
         _save(
             strategy,
             out,
-            {"sums": sums, "gloo": expected, "shared_memory": group.uses_shared_memory},
+            {
+                "sums": {name: value.detach() for name, value in sums.items()},
+                "strided": sums["strided"].stride(),
+                "gloo": expected,
+                "shared_memory": group.uses_shared_memory,
+            },
         )
+
+
+def local_failure(out: Path) -> None:
+    """Worker 0's shared-memory all-reduce fails on its own side (the sum cannot be written back
+    into an expanded tensor); each worker records its errors."""
+    with _strategy(timeout_seconds=30) as strategy:
+        group = strategy.worker_group
+        errors = []
+        value = torch.ones(1).expand(4) if group.rank == 0 else torch.ones(4)
+        for attempt in (value, torch.ones(4)):
+            try:
+                group.all_reduce(attempt, "local failure")
+            except Exception as error:
+                errors.append(f"{type(error).__name__}: {error}")
+        _save(strategy, out, {"errors": errors})
 
 
 def per_replica_input(out: Path) -> None:
@@ -452,6 +479,7 @@ JOBS: dict[str, Callable[..., None]] = {
     for f in (
         custom_loop,
         same_host_sums,
+        local_failure,
         loader_loop,
         per_replica_input,
         fit,

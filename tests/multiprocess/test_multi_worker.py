@@ -104,51 +104,68 @@ def test_custom_loop_equals_one_device(
             assert all(torch.equal(replica[k], v) for k, v in first.items())
 
 
-def _shared_memory_files() -> set[str]:
-    return (
-        {p.name for p in Path("/dev/shm").glob("mirrored-*")}
-        if Path("/dev/shm").is_dir()
-        else set()
-    )
-
-
 @pytest.mark.parametrize("num_workers", [2, 3])
 def test_workers_on_one_machine_sum_through_shared_memory_as_gloo_does(
     tmp_path: Path, num_workers: int
 ) -> None:
-    before = _shared_memory_files()
     assert_all_succeeded(run_workers("same_host_sums", tmp_path, num_workers))
-    assert _shared_memory_files() == before  # removed once every worker attached
     results = _results(tmp_path, num_workers)
     for result in results:
         assert result["shared_memory"]
+        assert result["strided"] == (1, 4)  # summed in place, its strides kept
         for name, expected in result["gloo"].items():
             actual = result["sums"][name]
             assert actual.dtype == expected.dtype and actual.shape == expected.shape, name
             # Two workers: one addition, gloo's bits; three: another order of the same sum.
-            if num_workers == 2:
+            if num_workers == 2 or not expected.is_floating_point():
                 assert torch.equal(actual, expected), name
             else:
-                tolerance = 2e-2 if expected.dtype == torch.bfloat16 else 1e-6
+                tolerance = 2e-2 if expected.element_size() == 2 else 1e-6
                 torch.testing.assert_close(actual, expected, rtol=tolerance, atol=tolerance)
             # Every worker holds the same bits.
             assert torch.equal(actual, results[0]["sums"][name]), name
     assert torch.equal(
         results[0]["sums"]["int64"], torch.arange(7) * sum(range(1, num_workers + 1))
     )
+    wrapped = torch.tensor(100 * num_workers).to(torch.int8)  # as int8 arithmetic wraps
+    assert torch.equal(results[0]["sums"]["int8 wraps around"], wrapped.expand(5))
 
 
-@pytest.mark.parametrize("fallback", ["host", "full"])
+@pytest.mark.parametrize("fallback", ["host", "full", "attach"])
 def test_workers_keep_gloo_where_shared_memory_cannot_be_set_up(
     tmp_path: Path, fallback: str
 ) -> None:
-    before = _shared_memory_files()
     assert_all_succeeded(run_workers("same_host_sums", tmp_path, args=[fallback]))
-    assert _shared_memory_files() == before
     for result in _results(tmp_path):
         assert not result["shared_memory"]
         for name, expected in result["gloo"].items():
             assert torch.equal(result["sums"][name], expected), name
+
+
+def test_a_worker_dying_during_the_shared_memory_set_up_fails_the_others_at_once(
+    tmp_path: Path,
+) -> None:
+    started = time.monotonic()
+    workers = run_workers("same_host_sums", tmp_path, args=["die"])
+    assert workers[0].returncode == 3
+    assert workers[1].returncode != 0
+    assert "WorkerLostError" in workers[1].output, workers[1].output[-1500:]
+    assert "same-host all-reduce: ready" in workers[1].output, workers[1].output[-1500:]
+    assert time.monotonic() - started < 30  # not the 30 s timeout
+
+
+def test_a_worker_s_own_failure_in_an_all_reduce_is_not_blamed_on_its_peer(
+    tmp_path: Path,
+) -> None:
+    assert_all_succeeded(run_workers("local_failure", tmp_path))
+    own, peer = (result["errors"] for result in _results(tmp_path))
+    assert own[0].startswith(
+        "RuntimeError: worker 0 could not take part in 'local failure [4 x float32]' (#"
+    ), own
+    assert "itself: RuntimeError: unsupported operation" in own[0], own
+    assert own[1].startswith("RuntimeError: the workers are out of step"), own
+    # Worker 1's sum completed; its next collective finds worker 0 gone from the transport.
+    assert len(peer) == 1 and peer[0].startswith("WorkerLostError: worker 1 waited at"), peer
 
 
 def test_each_worker_loads_only_its_part_of_a_data_loader(tmp_path: Path) -> None:
