@@ -98,8 +98,10 @@ class SameHostAllReduce:
         self._rank, self._world_size = rank, world_size
         self._bytes = torch.frombuffer(buffer, dtype=torch.uint8)
         self._peers = peers  # rank 0: a socket per other worker, in rank order; others: rank 0's
-        for peer in peers:
+        self._selector = selectors.DefaultSelector()  # rank 0 waits on all its peers at once
+        for index, peer in enumerate(peers):
             peer.settimeout(timeout_seconds)
+            self._selector.register(peer, selectors.EVENT_READ, index)
         self._timeout_seconds = timeout_seconds
         self._count = 0
         self._broken: BaseException | None = None
@@ -200,6 +202,7 @@ class SameHostAllReduce:
                             self._shutdown_peers()
                     pending.finish(self._broken)
         finally:
+            self._selector.close()
             for peer in self._peers:  # only this thread closes them: no fd is reused under it
                 peer.close()
 
@@ -234,15 +237,35 @@ class SameHostAllReduce:
         """Wait until every worker has reached this point with the same ``header``."""
         if self._rank != 0:
             self._peers[0].sendall(header)
-            if _receive_all(self._peers, 1, self._timeout_seconds) != [_OK]:
+            if _receive(self._peers[0], 1) != _OK:
                 raise SyncMismatchError(self._mismatch(header))
             return
-        headers = _receive_all(self._peers, len(header), self._timeout_seconds)
+        headers = self._receive_headers(len(header))
         verdict = _OK if all(h == header for h in headers) else _MISMATCH
         for peer in self._peers:
             peer.sendall(verdict)
         if verdict != _OK:
             raise SyncMismatchError(self._mismatch(header))
+
+    def _receive_headers(self, size: int) -> list[bytes]:
+        """Rank 0: ``size`` bytes from every peer, all within one timeout; a peer that closes
+        fails it at once, whichever peer is still awaited."""
+        deadline = time.monotonic() + self._timeout_seconds
+        received = [bytearray() for _ in self._peers]
+        waiting = len(self._peers)
+        while waiting:
+            ready = self._selector.select(deadline - time.monotonic())
+            if not ready:
+                raise TimeoutError("timed out")
+            for key, _ in ready:
+                data = received[key.data]
+                wanted = size - len(data) or 1  # a peer already heard from can only have closed
+                more = self._peers[key.data].recv(wanted)
+                if not more or len(data) == size:
+                    raise ConnectionError("a peer worker's same-host connection closed")
+                data += more
+                waiting -= len(data) == size
+        return [bytes(data) for data in received]
 
     def _mismatch(self, header: bytes) -> str:
         count, numel, code, _ = _HEADER.unpack(header)
@@ -384,7 +407,8 @@ def _accept(
             listener.settimeout(max(deadline - time.monotonic(), 0.001))
             peer, _ = listener.accept()
             accepted.append(peer)
-            [hello] = _receive_all([peer], _HELLO.size, deadline - time.monotonic())
+            peer.settimeout(max(deadline - time.monotonic(), 0.001))
+            hello = _receive(peer, _HELLO.size)
             rank, their_token = _HELLO.unpack(hello)
             if their_token != token or not 0 < rank < world_size or rank in peers:
                 raise ValueError(f"unexpected connection to the same-host all-reduce: {hello!r}")
@@ -412,25 +436,13 @@ def _receive_buffer(
             os.close(fd)
 
 
-def _receive_all(peers: list[socket.socket], size: int, timeout: float) -> list[bytes]:
-    """Exactly ``size`` bytes from each of ``peers``, all within ``timeout`` seconds: a closed
-    connection (its worker ended) is a ConnectionError, and silence a TimeoutError ("timed
-    out")."""
-    deadline = time.monotonic() + timeout
-    received = [bytearray() for _ in peers]
-    with selectors.DefaultSelector() as selector:
-        for index, peer in enumerate(peers):
-            selector.register(peer, selectors.EVENT_READ, index)
-        while selector.get_map():
-            ready = selector.select(deadline - time.monotonic())
-            if not ready:
-                raise TimeoutError("timed out")
-            for key, _ in ready:
-                index = key.data
-                data = peers[index].recv(size - len(received[index]))
-                if not data:
-                    raise ConnectionError("a peer worker's same-host connection closed")
-                received[index] += data
-                if len(received[index]) == size:
-                    selector.unregister(peers[index])
-    return [bytes(data) for data in received]
+def _receive(peer: socket.socket, size: int) -> bytes:
+    """Exactly ``size`` bytes; a closed connection (its worker ended) is a ConnectionError and a
+    silent one a TimeoutError ("timed out"), after the socket's timeout."""
+    data = bytearray()
+    while len(data) < size:
+        received = peer.recv(size - len(data))
+        if not received:
+            raise ConnectionError("a peer worker's same-host connection closed")
+        data += received
+    return bytes(data)
