@@ -7,7 +7,10 @@ batch.
 
 from __future__ import annotations
 
-from mirrored import callbacks, checkpoint, config, losses, metrics, optimizers
+import importlib
+from typing import Any
+
+from mirrored import callbacks, checkpoint, config, losses, metrics, optimizers, partitioners
 from mirrored.cluster_resolver import (
     ClusterResolver,
     TFConfigClusterResolver,
@@ -45,6 +48,7 @@ from mirrored.values import PerReplica, ReduceOp
 __version__ = "0.1.0"
 
 __all__ = [
+    "ClusterCoordinator",
     "ClusterResolver",
     "CommunicationImplementation",
     "CommunicationOptions",
@@ -58,6 +62,7 @@ __all__ = [
     "MirroredStrategy",
     "MultiWorkerMirroredStrategy",
     "NcclAllReduce",
+    "ParameterServerStrategy",
     "PerReplica",
     "PipelineStrategy",
     "PipelinedModule",
@@ -84,4 +89,17 @@ __all__ = [
     "losses",
     "metrics",
     "optimizers",
+    "partitioners",
 ]
+
+# Built on torch.distributed.rpc, which some builds of torch lack: imported when first used.
+_ON_FIRST_USE = {
+    "ClusterCoordinator": "mirrored.cluster_coordinator",
+    "ParameterServerStrategy": "mirrored.parameter_server",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _ON_FIRST_USE:
+        return getattr(importlib.import_module(_ON_FIRST_USE[name]), name)
+    raise AttributeError(f"module 'mirrored' has no attribute {name!r}")

@@ -42,7 +42,14 @@ from mirrored.cluster_resolver import ClusterResolver
 from mirrored.rendezvous import SyncMismatchError, SyncTimeoutError
 from mirrored.same_host_all_reduce import LocalReduceError, SameHostAllReduce
 
-__all__ = ["PendingCollective", "WorkerGroup", "WorkerLostError"]
+__all__ = [
+    "PendingCollective",
+    "WorkerGroup",
+    "WorkerLostError",
+    "host_store",
+    "loopback_interface",
+    "sockets_on_loopback",
+]
 
 _HEARTBEAT_SECONDS = 0.5
 _FAILED = "failed: "  # a worker's published position once its step failed (``abort``)
@@ -116,7 +123,8 @@ class WorkerGroup:
             self.rank, self.world_size = resolver.rank, resolver.world_size
             self._store, self._address = _connect_store(resolver, timeout)
             self._prefix = f"mirrored/{resolver.restart_count}"
-            with _gloo_on_loopback(self._address[0], backend):
+            loopback = sockets_on_loopback(self._address[0]) if backend == "gloo" else None
+            with loopback or contextlib.nullcontext():
                 dist.init_process_group(
                     # With NCCL, CPU tensors (metadata, parameters not yet on their devices)
                     # go through gloo.
@@ -391,11 +399,7 @@ def _signed(label: str, tensor: torch.Tensor) -> str:
 def _connect_store(
     resolver: ClusterResolver, timeout: datetime.timedelta
 ) -> tuple[dist.TCPStore, tuple[str, int]]:
-    """Rank 0 hosts the rendezvous store (unless a launcher's agent does); the others connect.
-
-    The host listens on a socket bound to the rendezvous address only, never on every interface
-    (TCPStore on its own binds the wildcard address).
-    """
+    """Rank 0 hosts the rendezvous store (unless a launcher's agent does); the others connect."""
     host, port = resolver.master_addr, resolver.master_port
     if resolver.rank != 0 or resolver.agent_store:
         if port == 0:
@@ -404,6 +408,14 @@ def _connect_store(
                 "rank 0 (MASTER_PORT, or the chief's address in TF_CONFIG); got port 0"
             )
         return dist.TCPStore(host, port, resolver.world_size, False, timeout=timeout), (host, port)
+    return host_store(host, port, resolver.world_size, timeout)
+
+
+def host_store(
+    host: str, port: int, num_clients: int | None, timeout: datetime.timedelta
+) -> tuple[dist.TCPStore, tuple[str, int]]:
+    """A rendezvous store hosted by this process on a socket bound to ``host`` only, never on
+    every interface (TCPStore on its own binds the wildcard address); port 0 picks a free one."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     listener = socket.socket(family, socket.SOCK_STREAM)
     try:
@@ -420,7 +432,7 @@ def _connect_store(
     store = dist.TCPStore(
         host,
         port,
-        resolver.world_size,
+        num_clients,
         True,
         timeout=timeout,
         wait_for_workers=False,
@@ -443,16 +455,19 @@ def _is_loopback(host: str) -> bool:
 
 
 @contextmanager
-def _gloo_on_loopback(host: str, backend: str) -> Iterator[None]:
-    """Bind gloo's sockets to the loopback interface when the rendezvous is on loopback (gloo
-    otherwise binds the address the machine's hostname resolves to)."""
+def sockets_on_loopback(
+    host: str, variables: tuple[str, ...] = ("GLOO_SOCKET_IFNAME",)
+) -> Iterator[None]:
+    """Bind gloo's (or TensorPipe's: ``TP_SOCKET_IFNAME``) sockets to the loopback interface when
+    the rendezvous is on loopback (they otherwise bind the address the machine's hostname
+    resolves to); a variable the user set is left alone."""
     name = loopback_interface()
-    chosen = "GLOO_SOCKET_IFNAME" in os.environ
-    if backend != "gloo" or not _is_loopback(host) or name is None or chosen:
-        yield
-        return
-    os.environ["GLOO_SOCKET_IFNAME"] = name
+    chosen = [v for v in variables if v not in os.environ]
+    if not _is_loopback(host) or name is None:
+        chosen = []
+    os.environ.update(dict.fromkeys(chosen, name or ""))
     try:
         yield
     finally:
-        del os.environ["GLOO_SOCKET_IFNAME"]
+        for variable in chosen:
+            del os.environ[variable]

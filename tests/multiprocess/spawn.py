@@ -57,6 +57,16 @@ def worker_env(
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
         )
+    elif cluster.startswith("ps:"):  # "ps:W:P": rank 0 the chief, then W workers, P ps tasks
+        num_train, num_ps = (int(n) for n in cluster.split(":")[1:])
+        tasks = [("chief", 0)] + [("worker", i) for i in range(num_train)]
+        tasks += [("ps", i) for i in range(num_ps)]
+        assert len(tasks) == num_workers, f"{cluster} needs {len(tasks)} processes"
+        spec: dict[str, list[str]] = {}
+        for index, (job, _) in enumerate(tasks):
+            spec.setdefault(job, []).append(f"127.0.0.1:{port if index == 0 else free_port()}")
+        job, task = tasks[rank]
+        env["TF_CONFIG"] = json.dumps({"cluster": spec, "task": {"type": job, "index": task}})
     else:
         addresses = [f"127.0.0.1:{port if i == 0 else free_port()}" for i in range(num_workers)]
         env["TF_CONFIG"] = json.dumps(

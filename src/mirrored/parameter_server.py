@@ -1,0 +1,263 @@
+"""ParameterServerStrategy: parameters on ps tasks, workers that update them asynchronously.
+
+TensorFlow's cluster: a ``chief`` (the coordinator, which runs the training program), ``worker``
+tasks (which run the functions the coordinator schedules) and ``ps`` tasks (which hold the
+parameters and their optimizer state), from ``TF_CONFIG``. Every task runs the same script; in a
+worker or ps task the constructor serves the coordinator, then ends the process when the
+coordinator closes the strategy (or with an error when the coordinator is lost).
+
+On the coordinator, ``mirror(model, optimizer)`` places the model's parameters and buffers on the
+ps tasks (whole, or cut by a partitioner: ``mirrored.partitioners``) with an optimizer of the same
+class and hyperparameters beside them, and gives every worker a copy of the model. The handles it
+returns are what scheduled functions take as arguments (``ClusterCoordinator.schedule``): on a
+worker they are the worker's copy, pulled fresh from the ps tasks, and an optimizer whose
+``step()`` pushes the gradients, applied by each ps task as soon as they arrive.
+
+Built on ``torch.distributed.rpc`` (``mirrored.rpc_cluster``), which unpickles what peers send:
+every task of the job belongs on a private network.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import itertools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.rpc as rpc
+from torch import nn
+
+from mirrored import parameter_server_worker, shard_store
+from mirrored.cluster_resolver import ClusterResolver, resolve_cluster
+from mirrored.parameter_server_worker import shard_rows
+from mirrored.partitioners import Partitioner, plan_shards
+from mirrored.rpc_cluster import RpcCluster, start_rpc, stop_rpc
+
+__all__ = ["ParameterServerModule", "ParameterServerOptimizer", "ParameterServerStrategy"]
+
+_DEFAULT_TIMEOUT_SECONDS = 300.0
+_stop_serving = threading.Event()  # set by the coordinator's last message to this task
+
+
+class ParameterServerStrategy:
+    """Asynchronous training with parameter servers (TensorFlow's ``ParameterServerStrategy``).
+
+    Args:
+        cluster_resolver: the cluster (``TF_CONFIG`` by default); it must have one ``chief``, at
+            least one ``worker`` and at least one ``ps`` task.
+        variable_partitioner: how many shards each parameter is cut into along dim 0
+            (``MinSizePartitioner``, ``FixedShardsPartitioner``); None keeps tensors whole.
+        max_staleness: None for fully asynchronous updates; k to keep every worker at most k
+            scheduled functions ahead of the slowest live one (stale-synchronous: 0 runs the
+            workers in rounds).
+        timeout_seconds: how long any call between tasks may take (default 300 s) before its
+            task counts as lost.
+    """
+
+    def __init__(
+        self,
+        cluster_resolver: ClusterResolver | None = None,
+        variable_partitioner: Partitioner | None = None,
+        *,
+        max_staleness: int | None = None,
+        timeout_seconds: float | None = None,
+    ) -> None:
+        resolver = cluster_resolver if cluster_resolver is not None else resolve_cluster()
+        spec = resolver.cluster_spec()
+        _check_cluster(spec)
+        if max_staleness is not None and (
+            not isinstance(max_staleness, int)
+            or isinstance(max_staleness, bool)
+            or max_staleness < 0
+        ):
+            raise ValueError(f"max_staleness={max_staleness!r}: expected None or an int >= 0")
+        if timeout_seconds is not None and timeout_seconds <= 0:
+            raise ValueError(f"timeout_seconds={timeout_seconds!r}: expected a positive number")
+        if resolver.task_type == "evaluator":
+            raise ValueError(
+                "the evaluator task takes no part in parameter-server training; read the "
+                "checkpoints the coordinator writes instead"
+            )
+        self.cluster = RpcCluster.of(len(spec["worker"]), len(spec["ps"]))
+        self.variable_partitioner = variable_partitioner
+        self.max_staleness = max_staleness
+        self.timeout_seconds = timeout_seconds or _DEFAULT_TIMEOUT_SECONDS
+        name = (
+            "chief" if resolver.task_type == "chief" else f"{resolver.task_type}{resolver.task_id}"
+        )
+        host, port = resolver.master_addr, resolver.master_port
+        self._store = start_rpc(name, self.cluster, host, port, self.timeout_seconds)
+        if name != self.cluster.chief:
+            _serve(name, host, port)
+            raise SystemExit(0)
+        self._model_ids = itertools.count()
+        self._coordinators: list[Any] = []  # ClusterCoordinators of this strategy
+        self._closed = False
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.cluster.workers)
+
+    @property
+    def num_ps(self) -> int:
+        return len(self.cluster.ps)
+
+    def __repr__(self) -> str:
+        return (
+            f"ParameterServerStrategy(workers={self.num_workers}, ps={self.num_ps}, "
+            f"variable_partitioner={self.variable_partitioner!r}, "
+            f"max_staleness={self.max_staleness})"
+        )
+
+    # -- models ---------------------------------------------------------------------------------
+    def mirror(
+        self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None
+    ) -> tuple[ParameterServerModule, ParameterServerOptimizer | None]:
+        """Place ``module``'s parameters and buffers on the ps tasks, with an optimizer of
+        ``optimizer``'s class and hyperparameters beside them, and give every worker a copy of
+        ``module`` (its class must be importable there: run the same script in every task)."""
+        owned = {id(p) for p in module.parameters()}
+        if optimizer is not None:
+            foreign = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in owned]
+            if foreign:
+                raise ValueError(
+                    f"the optimizer holds {len(foreign)} tensor(s) that are not parameters of "
+                    "the module; build it from module.parameters()"
+                )
+        tensors = dict(module.named_parameters()) | dict(module.named_buffers())
+        shards = plan_shards(
+            [(name, t.shape, t.dtype) for name, t in tensors.items()],
+            self.num_ps,
+            self.variable_partitioner,
+        )
+        model_id = next(self._model_ids)
+        names = {id(p): name for name, p in module.named_parameters()}
+        futures = []
+        for ps, task in enumerate(self.cluster.ps):
+            mine = [s for s in shards if s.ps == ps]
+            groups = []
+            for group in optimizer.param_groups if optimizer is not None else []:
+                in_group = {names[id(p)] for p in group["params"]}
+                hyper = {k: v for k, v in group.items() if k != "params"}
+                groups.append({**hyper, "keys": [s.key for s in mine if s.name in in_group]})
+            values = {s.key: shard_rows(tensors[s.name], s).detach().clone() for s in mine}
+            optimizer_class = type(optimizer) if optimizer is not None else None
+            futures.append(
+                rpc.rpc_async(
+                    task,
+                    shard_store.create,
+                    (model_id, values, optimizer_class, groups),
+                    timeout=self.timeout_seconds,
+                )
+            )
+        futures += [
+            rpc.rpc_async(
+                worker,
+                parameter_server_worker.register_model,
+                (model_id, module, shards, self.timeout_seconds),
+                timeout=self.timeout_seconds,
+            )
+            for worker in self.cluster.workers
+        ]
+        for future in futures:
+            future.wait()
+        local = parameter_server_worker.WorkerModel(model_id, module, shards, self.timeout_seconds)
+        handle = ParameterServerModule(model_id, local)
+        return handle, ParameterServerOptimizer(model_id) if optimizer is not None else None
+
+    # -- lifetime ---------------------------------------------------------------------------------
+    def close(self) -> None:
+        """End the job: every worker and ps task leaves its process, then this one leaves the
+        RPC group; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for coordinator in self._coordinators:
+            coordinator.close()
+        futures = [
+            rpc.rpc_async(task, _stop, timeout=self.timeout_seconds)
+            for task in (*self.cluster.workers, *self.cluster.ps)
+        ]
+        for future in futures:
+            with contextlib.suppress(RuntimeError):  # a task already lost: nothing to stop
+                future.wait()
+        stop_rpc()
+
+    def __enter__(self) -> ParameterServerStrategy:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class ParameterServerModule(nn.Module):
+    """A model whose parameters live on the ps tasks. Pass it to scheduled functions (on a
+    worker it is the worker's copy, pulled fresh); on the coordinator ``pull()`` brings the
+    current values into the local copy, which ``forward`` and ``state_dict`` then use."""
+
+    def __init__(self, model_id: int, local: parameter_server_worker.WorkerModel) -> None:
+        super().__init__()
+        self.model_id = model_id
+        self.local = local
+
+    @property
+    def module(self) -> nn.Module:
+        return self.local.module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.local(*args, **kwargs)
+
+    def pull(self) -> None:
+        """Copy the ps tasks' current parameters and buffers into the local copy."""
+        self.local.pull()
+
+    def __reduce__(self) -> tuple[Callable[[int], Any], tuple[int]]:
+        return parameter_server_worker.model, (self.model_id,)
+
+
+class ParameterServerOptimizer:
+    """A mirrored model's optimizer: pass it to scheduled functions, where ``step()`` pushes the
+    gradients to the ps tasks that apply them."""
+
+    def __init__(self, model_id: int) -> None:
+        self.model_id = model_id
+
+    def __reduce__(self) -> tuple[Callable[[int], Any], tuple[int]]:
+        return parameter_server_worker.optimizer, (self.model_id,)
+
+
+def _check_cluster(spec: dict[str, list[str]]) -> None:
+    """One chief, one or more workers and ps tasks, each address once (TF_CONFIG's addresses are
+    checked for duplicates when parsed)."""
+    counts = {job: len(spec.get(job, [])) for job in ("chief", "worker", "ps")}
+    if counts["chief"] != 1 or not counts["worker"] or not counts["ps"]:
+        raise ValueError(
+            f"a ParameterServerStrategy needs one 'chief', at least one 'worker' and at least "
+            f"one 'ps' task in the cluster; got {counts}. Example TF_CONFIG cluster: "
+            '{"chief": ["host0:2222"], "worker": ["host1:2222"], "ps": ["host2:2222"]}'
+        )
+
+
+def _stop() -> None:
+    _stop_serving.set()
+
+
+def _serve(name: str, host: str, port: int) -> None:
+    """A worker or ps task: answer the coordinator until it says stop, or exit with an error
+    once its rendezvous store (hosted by the chief) is gone."""
+    client = dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=10))
+    try:
+        while not _stop_serving.wait(1.0):
+            try:
+                client.check(["mirrored/ps/alive"])
+            except Exception as error:
+                raise SystemExit(
+                    f"{name}: the coordinator (the chief task, {host}:{port}) is gone ({error}); "
+                    "restart the job (it resumes from the coordinator's last checkpoint)"
+                ) from error
+    finally:
+        stop_rpc()

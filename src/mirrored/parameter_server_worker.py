@@ -1,0 +1,200 @@
+"""The worker side of a parameter-server job: what a scheduled function runs with.
+
+A function the coordinator schedules arrives here with its arguments; the coordinator's handles
+among them (a mirrored model, its optimizer, a per-worker iterator) unpickle into this worker's
+own objects, registered under the handle's id when the coordinator created them:
+
+- a model (``WorkerModel``) first pulls the current parameters from the ps tasks, so the
+  function computes on them;
+- ``optimizer.step()`` (``WorkerOptimizer``) pushes the model's gradients, cut into the shards of
+  each ps task, with the function's id and the step's position in it (each ps task applies an
+  update once; ``mirrored.shard_store``);
+- a per-worker iterator yields this worker's own batches, starting a new pass over its dataset
+  whenever one ends (TensorFlow asks for ``repeat()``).
+
+The function's own errors come back as values, so that every error of the RPC call itself means
+the worker or its connection was lost.
+"""
+
+from __future__ import annotations
+
+import threading
+import traceback
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed.rpc as rpc
+from torch import nn
+
+from mirrored import shard_store
+from mirrored.partitioners import ShardSpec
+from mirrored.values import flatten, map_structure
+
+__all__ = ["WorkerModel", "WorkerOptimizer", "shard_rows"]
+
+_models: dict[int, WorkerModel] = {}
+_iterators: dict[int, RepeatingIterator] = {}
+_running = threading.local()  # the scheduled function under way: (id, watermark, pushes)
+
+
+class WorkerModel(nn.Module):
+    """A mirrored model as a scheduled function sees it: this worker's copy, holding the ps
+    tasks' parameters as of the function's start."""
+
+    def __init__(
+        self, model_id: int, module: nn.Module, shards: list[ShardSpec], timeout_seconds: float
+    ) -> None:
+        super().__init__()
+        self.module = module
+        self._model_id = model_id
+        self._shards = shards
+        self._timeout_seconds = timeout_seconds
+        self._names = dict(module.named_parameters()) | dict(module.named_buffers())
+        self._parameters_by_name = dict(module.named_parameters())
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def pull(self) -> None:
+        """Copy the ps tasks' current values into this worker's module."""
+        tasks = sorted({shard.ps for shard in self._shards})
+        futures = [
+            rpc.rpc_async(
+                f"ps{ps}", shard_store.pull, (self._model_id,), timeout=self._timeout_seconds
+            )
+            for ps in tasks
+        ]
+        values: dict[str, torch.Tensor] = {}
+        for future in futures:
+            values.update(future.wait()[1])
+        with torch.no_grad():
+            for shard in self._shards:
+                shard_rows(self._names[shard.name], shard).copy_(values[shard.key])
+
+    def push(self) -> None:
+        """Send this worker's gradients (and buffers) to the ps tasks, as one update of the
+        running function."""
+        function_id, finished_below, pushes = _running.state
+        position = pushes.get(self._model_id, 0)
+        pushes[self._model_id] = position + 1
+        by_task: dict[int, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
+        for shard in self._shards:
+            gradients, buffers = by_task.setdefault(shard.ps, ({}, {}))
+            parameter = self._parameters_by_name.get(shard.name)
+            if parameter is None:
+                buffers[shard.key] = shard_rows(self._names[shard.name], shard).detach()
+            elif parameter.grad is not None:
+                gradients[shard.key] = shard_rows(parameter.grad, shard)
+        worker = rpc.get_worker_info().name
+        futures = [
+            rpc.rpc_async(
+                f"ps{ps}",
+                shard_store.push,
+                (self._model_id, worker, function_id, position, finished_below, *update),
+                timeout=self._timeout_seconds,
+            )
+            for ps, update in sorted(by_task.items())
+        ]
+        for future in futures:
+            future.wait()
+
+
+class WorkerOptimizer:
+    """A mirrored optimizer as a scheduled function sees it: ``step()`` pushes the model's
+    gradients to the ps tasks, where the real optimizer applies them."""
+
+    def __init__(self, model: WorkerModel) -> None:
+        self.model = model
+
+    def step(self, closure: Callable[[], Any] | None = None) -> None:
+        if closure is not None:
+            raise ValueError(
+                "a parameter-server optimizer cannot re-evaluate a closure: its update happens "
+                "on the ps tasks; call step() without one"
+            )
+        self.model.push()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.model.module.zero_grad(set_to_none)
+
+
+class RepeatingIterator:
+    """This worker's batches: pass after pass over its dataset."""
+
+    def __init__(self, dataset: Iterable[Any]) -> None:
+        self._dataset = dataset
+        self._iterator: Iterator[Any] = iter(dataset)
+
+    def __iter__(self) -> RepeatingIterator:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            return next(self._iterator)
+        except StopIteration:
+            self._iterator = iter(self._dataset)
+        try:
+            return next(self._iterator)
+        except StopIteration:
+            raise ValueError(
+                "the per-worker dataset yields nothing on a new pass: return a re-iterable "
+                "(a list, a DataLoader) or an endless generator from dataset_fn"
+            ) from None
+
+
+def shard_rows(tensor: torch.Tensor, shard: ShardSpec) -> torch.Tensor:
+    """The part of a parameter (or its gradient) that ``shard`` holds."""
+    return tensor[shard.start : shard.stop] if shard.num_shards > 1 else tensor
+
+
+# -- RPC entry points and unpickling hooks -------------------------------------------------------
+def register_model(
+    model_id: int, module: nn.Module, shards: list[ShardSpec], timeout_seconds: float
+) -> None:
+    _models[model_id] = WorkerModel(model_id, module, shards, timeout_seconds)
+
+
+def register_dataset(
+    dataset_id: int, dataset_fn: Callable[..., Iterable[Any]], context: Any
+) -> None:
+    _iterators[dataset_id] = RepeatingIterator(dataset_fn(context))
+
+
+def model(model_id: int) -> WorkerModel:
+    return _models[model_id]
+
+
+def optimizer(model_id: int) -> WorkerOptimizer:
+    return WorkerOptimizer(_models[model_id])
+
+
+def iterator(dataset_id: int) -> RepeatingIterator:
+    return _iterators[dataset_id]
+
+
+def run_function(
+    function_id: int,
+    finished_below: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> tuple[bool, Any]:
+    """Run one scheduled function: ``(True, result)``, or ``(False, (type name, message,
+    traceback))`` when it raised."""
+    _running.state = (function_id, finished_below, {})
+    try:
+        for used in {
+            id(m): m for m in flatten((args, kwargs)) if isinstance(m, WorkerModel)
+        }.values():
+            used.pull()
+        result = fn(*args, **kwargs)
+        return True, _detached(result)
+    except Exception as error:
+        return False, (type(error).__name__, str(error), traceback.format_exc())
+    finally:
+        del _running.state
+
+
+def _detached(value: Any) -> Any:
+    return map_structure(lambda v: v.detach().cpu() if isinstance(v, torch.Tensor) else v, value)
