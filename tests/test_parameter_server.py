@@ -42,6 +42,7 @@ def test_a_duplicate_address_is_refused_by_the_resolver() -> None:
         ({"max_staleness": -1}, "max_staleness=-1"),
         ({"max_staleness": 1.5}, "max_staleness=1.5"),
         ({"timeout_seconds": 0}, "timeout_seconds=0"),
+        ({"synchronous": True, "max_staleness": 2}, "synchronous=True .* max_staleness=2"),
     ],
 )
 def test_bad_arguments_are_named(kwargs: dict[str, Any], message: str) -> None:

@@ -68,3 +68,64 @@ def test_gradients_for_a_model_without_optimizer_are_refused() -> None:
     store = ShardStore({"w/0": torch.ones(2)}, None, [])
     with pytest.raises(ValueError, match="without optimizer"):
         store.push("worker0", 1, 0, 0, {"w/0": torch.ones(2)}, {})
+
+
+def _synchronous_store() -> ShardStore:
+    shards = {"w/0": torch.ones(2, 3), "mean/0": torch.zeros(3)}
+    return ShardStore(shards, torch.optim.SGD, [{"keys": ["w/0"], "lr": 0.5}], synchronous=True)
+
+
+def test_a_synchronous_round_applies_the_mean_of_its_functions_once_per_step() -> None:
+    store = _synchronous_store()
+    # functions 4 and 5 step twice each; function 5 ran twice (a lost worker, then its retry)
+    store.push("worker0", 4, 0, 0, {"w/0": torch.full((2, 3), 1.0)}, {"mean/0": torch.ones(3)})
+    store.push("worker1", 5, 0, 0, {"w/0": torch.full((2, 3), 100.0)}, {})  # lost run
+    store.push("worker2", 5, 0, 0, {"w/0": torch.full((2, 3), 3.0)}, {"mean/0": torch.zeros(3)})
+    store.push("worker0", 4, 1, 0, {"w/0": torch.full((2, 3), 2.0)}, {})
+    store.push("worker2", 5, 1, 0, {"w/0": torch.full((2, 3), 2.0)}, {})
+    assert store.version == 0 and torch.equal(store.pull()[1]["w/0"], torch.ones(2, 3))
+    store.commit([5, 4, 9])  # 9 never pushed (it raised before stepping)
+    version, shards = store.pull()
+    assert version == 2
+    assert torch.equal(shards["w/0"], torch.full((2, 3), 1.0 - 0.5 * 2.0 - 0.5 * 2.0))
+    assert torch.equal(shards["mean/0"], torch.ones(3))  # function 4's, the first in id order
+    store.commit([4, 5])  # nothing left of them: no second application
+    assert store.version == 2
+
+
+def test_a_fenced_worker_s_push_does_not_join_a_synchronous_round() -> None:
+    store = _synchronous_store()
+    store.push("worker1", 1, 0, 0, {"w/0": torch.full((2, 3), 100.0)}, {})
+    store.fence("worker1")
+    store.push("worker0", 1, 0, 0, {"w/0": torch.ones(2, 3)}, {})  # the retry replaces it
+    assert not store.push("worker1", 2, 0, 0, {"w/0": torch.full((2, 3), 100.0)}, {})
+    store.commit([1, 2])
+    assert torch.equal(store.pull()[1]["w/0"], torch.full((2, 3), 0.5))
+
+
+def test_state_dict_round_trips_shards_and_optimizer_state() -> None:
+    store = _store(torch.optim.Adam)
+    for step in range(2):
+        store.push("worker0", step, 0, 0, {"w/0": torch.ones(2, 3), "w/1": torch.ones(1, 3)}, {})
+    saved = store.state_dict()
+    assert set(saved["optimizer"]) == {"w/0", "w/1"}
+    store.push("worker0", 9, 0, 0, {"w/0": torch.ones(2, 3)}, {})
+    copy = _store(torch.optim.Adam)
+    copy.load_state_dict(saved)
+    store.load_state_dict(saved)
+    for each in (store, copy):  # the same next step from the same state
+        each.push("worker0", 10, 0, 0, {"w/0": torch.ones(2, 3), "w/1": torch.ones(1, 3)}, {})
+    assert all(torch.equal(store.pull()[1][k], copy.pull()[1][k]) for k in saved["shards"])
+
+
+def test_a_checkpoint_that_does_not_fit_loads_nothing() -> None:
+    store = _store()
+    before = store.pull()[1]
+    saved = store.state_dict()
+    saved["shards"] = {**saved["shards"], "w/0": torch.zeros(3, 3), "mean/0": torch.ones(3)}
+    with pytest.raises(ValueError, match=r"shard 'w/0'.*\[3, 3\] is not \[2, 3\]"):
+        store.load_state_dict(saved)
+    missing = {**store.state_dict(), "shards": {"w/0": torch.zeros(2, 3)}}
+    with pytest.raises(ValueError, match="this ps task holds"):
+        store.load_state_dict(missing)
+    assert all(torch.equal(before[k], v) for k, v in store.pull()[1].items())

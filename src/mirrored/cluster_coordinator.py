@@ -8,23 +8,29 @@ them and never holds the others up (unless ``max_staleness`` bounds how far ahea
 A worker whose call fails (its process died, its connection broke, or it stayed silent for the
 strategy's timeout) is given up: every ps task fences it (a late push of it is refused), then its
 function goes back to the head of the queue for another worker. A function's update reaches each
-ps task once even when it ran twice (``mirrored.shard_store``). An error raised by a function
-itself is not retried: it fails its ``RemoteValue``, cancels the functions still queued and is
-raised by the next ``schedule``, ``join`` or ``done``, as in TensorFlow.
+ps task once even when it ran twice (``mirrored.shard_store``). In synchronous mode the
+functions run in rounds of one per worker: a round's updates wait on the ps tasks until every
+function of the round has run, the coordinator then commits them as one averaged step, and only
+then may the next round start (``join`` commits a last, partial round). An error raised by a
+function itself is not retried: it fails its ``RemoteValue``, cancels the functions still queued
+and is raised by the next ``schedule``, ``join`` or ``done``, as in TensorFlow.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
+import os
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch.distributed.rpc as rpc
 
-from mirrored import parameter_server_worker, shard_store
+from mirrored import checkpoint, parameter_server_checkpoint, parameter_server_worker, shard_store
 from mirrored.input import InputContext
 from mirrored.parameter_server import ParameterServerStrategy
 from mirrored.values import map_structure
@@ -76,6 +82,7 @@ class _Function:
     fn: Callable[..., Any]
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
+    round: int  # synchronous mode's round (0 otherwise)
     value: RemoteValue = field(default_factory=RemoteValue)
 
 
@@ -119,9 +126,18 @@ class ClusterCoordinator:
         self._queue: collections.deque[_Function] = collections.deque()
         self._unfinished: set[int] = set()
         self._error: BaseException | None = None
+        self._broken: BaseException | None = None  # why the job cannot go on, once it cannot
         self._closing = False
+        self._pauses = 0  # checkpoints under way: no function may start
+        self._in_flight = 0  # functions a worker is running
         self._live = set(strategy.cluster.workers)
         self._clocks = dict.fromkeys(strategy.cluster.workers, 0)
+        # Synchronous mode: the functions of each round not yet committed, the round that
+        # schedule fills, and the last round committed.
+        self._rounds: dict[int, list[int]] = {}
+        self._open_round = 0
+        self._committed = -1
+        self._committing = False
         self._condition = threading.Condition()
         strategy._coordinators.append(self)  # closed before the strategy leaves the RPC group
         self._threads = [
@@ -142,23 +158,41 @@ class ClusterCoordinator:
         there (a module-level function of the script every task runs)."""
         with self._condition:
             self._raise_error()
-            function = _Function(next(self._ids), fn, tuple(args), dict(kwargs or {}))
+            if self._broken is not None:
+                raise RuntimeError(f"the job cannot go on: {self._broken}")
+            function = _Function(
+                next(self._ids), fn, tuple(args), dict(kwargs or {}), self._open_round
+            )
+            if self.strategy.synchronous:
+                members = self._rounds.setdefault(self._open_round, [])
+                members.append(function.id)
+                if len(members) == self.strategy.num_workers:
+                    self._open_round += 1
             self._queue.append(function)
             self._unfinished.add(function.id)
             self._condition.notify_all()
         return function.value
 
     def join(self) -> None:
-        """Wait until every scheduled function has run; raise the first error among them."""
+        """Wait until every scheduled function has run and its update is applied; raise the
+        first error among them."""
         with self._condition:
-            self._condition.wait_for(lambda: not self._unfinished or self._error is not None)
+            if self._open_round in self._rounds:  # synchronous mode: close the partial round
+                self._open_round += 1
+        self._commit_rounds()
+        with self._condition:
+            self._condition.wait_for(lambda: self._finished() or self._error is not None)
             self._raise_error()
 
     def done(self) -> bool:
-        """Whether every scheduled function has run (raises the first error among them)."""
+        """Whether every scheduled function has run (raises the first error among them); in
+        synchronous mode a partial last round is applied by ``join``."""
         with self._condition:
             self._raise_error()
-            return not self._unfinished
+            return self._finished()
+
+    def _finished(self) -> bool:
+        return not self._unfinished and self._committed == self._open_round - 1
 
     def fetch(self, values: Any) -> Any:
         """The results of a structure of ``RemoteValue`` s, waiting for each."""
@@ -184,17 +218,102 @@ class ClusterCoordinator:
             future.wait()
         return PerWorkerDataset(dataset_id)
 
+    # -- checkpoints ------------------------------------------------------------------------------
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write every mirrored model and its optimizer, as they are once every function
+        scheduled so far has run, to ``path`` atomically (``mirrored.parameter_server_checkpoint``
+        says what the file holds); no function starts while the ps tasks are read."""
+        self.join()
+        models = self.strategy.models
+        with self._paused():
+            states = self._on_every_ps(
+                shard_store.state_dict, [[(m.model_id,) for m in models]] * self.strategy.num_ps
+            )
+        entries = [
+            parameter_server_checkpoint.gather(model, [task[i] for task in states])
+            for i, model in enumerate(models)
+        ]
+        return checkpoint.save(
+            {"format": parameter_server_checkpoint.FORMAT, "models": entries}, path
+        )
+
+    def restore(self, path: str | os.PathLike[str]) -> None:
+        """Load a file written by ``save`` into the ps tasks (all or nothing: it is checked
+        against every model first); functions scheduled before it run first."""
+        saved = checkpoint.load(path)
+        models = self.strategy.models
+        if not isinstance(saved, dict) or saved.get("format") != parameter_server_checkpoint.FORMAT:
+            raise ValueError(f"{str(path)!r} was not written by ClusterCoordinator.save()")
+        if len(saved["models"]) != len(models):
+            raise ValueError(
+                f"{str(path)!r} holds {len(saved['models'])} model(s), this job mirrored "
+                f"{len(models)}: mirror the same models, in the same order, before restore()"
+            )
+        per_model = [  # one list per model, of each ps task's part
+            parameter_server_checkpoint.scatter(model, entry, self.strategy.num_ps)
+            for model, entry in zip(models, saved["models"], strict=True)
+        ]
+        self.join()
+        with self._paused():
+            self._on_every_ps(
+                shard_store.load_state_dict,
+                [
+                    [(model.model_id, per_model[i][ps]) for i, model in enumerate(models)]
+                    for ps in range(self.strategy.num_ps)
+                ],
+            )
+
+    def _on_every_ps(
+        self, function: Callable[..., Any], calls: list[list[tuple[Any, ...]]]
+    ) -> list[list[Any]]:
+        """``function(*args)`` for each of ``calls[i]`` on ps task i, all at once; the results
+        in the same layout. A lost ps task breaks the job."""
+        futures = [
+            [
+                rpc.rpc_async(ps, function, args, timeout=self.strategy.timeout_seconds)
+                for args in task
+            ]
+            for ps, task in zip(self.strategy.cluster.ps, calls, strict=True)
+        ]
+        try:
+            return [[future.wait() for future in task] for task in futures]
+        except Exception as error:
+            lost = RuntimeError(
+                f"a ps task was lost during {function.__name__} ({error}); restart the job "
+                "from its last checkpoint"
+            )
+            with self._condition:
+                self._lose(lost)
+            raise lost from error
+
+    @contextlib.contextmanager
+    def _paused(self) -> Iterator[None]:
+        """No function starts, and none is running, inside."""
+        with self._condition:
+            self._pauses += 1
+            self._condition.wait_for(lambda: self._in_flight == 0)
+        try:
+            yield
+        finally:
+            with self._condition:
+                self._pauses -= 1
+                self._condition.notify_all()
+
     # -- dispatch ---------------------------------------------------------------------------------
     def _dispatch(self, worker: str) -> None:
         while True:
             with self._condition:
                 self._condition.wait_for(
-                    lambda: self._closing or (self._queue and self._may_start(worker))
+                    lambda: (
+                        self._closing
+                        or (self._queue and not self._pauses and self._may_start(worker))
+                    )
                 )
                 if self._closing:
                     return
                 function = self._queue.popleft()
                 finished_below = min(self._unfinished)
+                self._in_flight += 1
             try:
                 ok, result = rpc.rpc_sync(
                     worker,
@@ -206,6 +325,7 @@ class ClusterCoordinator:
                 self._give_up(worker, function, error)
                 return
             with self._condition:
+                self._in_flight -= 1
                 self._unfinished.discard(function.id)
                 self._clocks[worker] += 1
                 if ok:
@@ -213,11 +333,51 @@ class ClusterCoordinator:
                 else:
                     self._fail(function, worker, *result)
                 self._condition.notify_all()
+            self._commit_rounds()
 
     def _may_start(self, worker: str) -> bool:
+        if self.strategy.synchronous:
+            return self._queue[0].round <= self._committed + 1
         limit = self.strategy.max_staleness
         slowest = min(self._clocks[w] for w in self._live)
         return limit is None or self._clocks[worker] - slowest <= limit
+
+    def _commit_rounds(self) -> None:
+        """Commit every round whose functions have all run (synchronous mode), in order; one
+        thread at a time does it, and it looks again after each round it committed."""
+        while True:
+            with self._condition:
+                round_ = self._committed + 1
+                members = self._rounds.get(round_)
+                if (
+                    self._committing
+                    or members is None
+                    or round_ >= self._open_round
+                    or any(f in self._unfinished for f in members)
+                    or self._error is not None
+                ):
+                    return
+                self._committing = True
+            try:
+                for ps in self.strategy.cluster.ps:
+                    rpc.rpc_sync(
+                        ps, shard_store.commit, (members,), timeout=self.strategy.timeout_seconds
+                    )
+            except Exception as error:
+                with self._condition:
+                    self._committing = False
+                    self._lose(
+                        RuntimeError(
+                            f"a ps task was lost ({error}) while committing round {round_}; "
+                            "restart the job from its last checkpoint"
+                        )
+                    )
+                return
+            with self._condition:
+                del self._rounds[round_]
+                self._committed = round_
+                self._committing = False
+                self._condition.notify_all()
 
     def _fail(self, function: _Function, worker: str, kind: str, message: str, trace: str) -> None:
         error = ScheduledFunctionError(
@@ -249,19 +409,24 @@ class ClusterCoordinator:
                 "from its last checkpoint"
             )
         with self._condition:
+            self._in_flight -= 1
             self._live.discard(worker)
+            self._queue.appendleft(function)  # another worker runs it again
             if lost is None and not self._live:
                 lost = RuntimeError(f"every worker was lost (the last, {worker}: {error})")
             if lost is not None:
-                self._queue.appendleft(function)
-                self._error = self._error or lost
-                for pending in self._queue:
-                    self._unfinished.discard(pending.id)
-                    pending.value._finish(error=lost)
-                self._queue.clear()
-            else:
-                self._queue.appendleft(function)  # another worker runs it again
+                self._lose(lost)
             self._condition.notify_all()
+
+    def _lose(self, error: BaseException) -> None:
+        """The job cannot go on (a ps task or every worker is lost): fail what is queued."""
+        self._error = self._error or error
+        self._broken = self._broken or error
+        for pending in self._queue:
+            self._unfinished.discard(pending.id)
+            pending.value._finish(error=error)
+        self._queue.clear()
+        self._condition.notify_all()
 
     def _raise_error(self) -> None:
         if self._error is not None:

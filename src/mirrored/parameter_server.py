@@ -33,6 +33,7 @@ from torch import nn
 
 from mirrored import parameter_server_worker, shard_store
 from mirrored.cluster_resolver import ClusterResolver, resolve_cluster
+from mirrored.parameter_server_checkpoint import MirroredModel
 from mirrored.parameter_server_worker import shard_rows
 from mirrored.partitioners import Partitioner, plan_shards
 from mirrored.rpc_cluster import RpcCluster, start_rpc, stop_rpc
@@ -54,6 +55,9 @@ class ParameterServerStrategy:
         max_staleness: None for fully asynchronous updates; k to keep every worker at most k
             scheduled functions ahead of the slowest live one (stale-synchronous: 0 runs the
             workers in rounds).
+        synchronous: run the scheduled functions in rounds of one per worker and apply each
+            round's gradients as one averaged update (a synchronous data-parallel step over the
+            round's batches), for comparison with the asynchronous modes.
         timeout_seconds: how long any call between tasks may take (default 300 s) before its
             task counts as lost.
     """
@@ -64,6 +68,7 @@ class ParameterServerStrategy:
         variable_partitioner: Partitioner | None = None,
         *,
         max_staleness: int | None = None,
+        synchronous: bool = False,
         timeout_seconds: float | None = None,
     ) -> None:
         resolver = cluster_resolver if cluster_resolver is not None else resolve_cluster()
@@ -75,6 +80,11 @@ class ParameterServerStrategy:
             or max_staleness < 0
         ):
             raise ValueError(f"max_staleness={max_staleness!r}: expected None or an int >= 0")
+        if synchronous and max_staleness is not None:
+            raise ValueError(
+                f"synchronous=True runs the workers in lockstep rounds; max_staleness="
+                f"{max_staleness!r} bounds asynchronous updates: pass one or the other"
+            )
         if timeout_seconds is not None and timeout_seconds <= 0:
             raise ValueError(f"timeout_seconds={timeout_seconds!r}: expected a positive number")
         if resolver.task_type == "evaluator":
@@ -85,6 +95,7 @@ class ParameterServerStrategy:
         self.cluster = RpcCluster.of(len(spec["worker"]), len(spec["ps"]))
         self.variable_partitioner = variable_partitioner
         self.max_staleness = max_staleness
+        self.synchronous = bool(synchronous)
         self.timeout_seconds = timeout_seconds or _DEFAULT_TIMEOUT_SECONDS
         name = (
             "chief" if resolver.task_type == "chief" else f"{resolver.task_type}{resolver.task_id}"
@@ -95,6 +106,7 @@ class ParameterServerStrategy:
             _serve(name, host, port)
             raise SystemExit(0)
         self._model_ids = itertools.count()
+        self.models: list[MirroredModel] = []  # in the order mirror() made them
         self._coordinators: list[Any] = []  # ClusterCoordinators of this strategy
         self._closed = False
 
@@ -110,7 +122,7 @@ class ParameterServerStrategy:
         return (
             f"ParameterServerStrategy(workers={self.num_workers}, ps={self.num_ps}, "
             f"variable_partitioner={self.variable_partitioner!r}, "
-            f"max_staleness={self.max_staleness})"
+            f"max_staleness={self.max_staleness}, synchronous={self.synchronous})"
         )
 
     # -- models ---------------------------------------------------------------------------------
@@ -136,21 +148,27 @@ class ParameterServerStrategy:
         )
         model_id = next(self._model_ids)
         names = {id(p): name for name, p in module.named_parameters()}
+        param_groups = tuple(
+            (
+                tuple(names[id(p)] for p in group["params"]),
+                {k: v for k, v in group.items() if k != "params"},
+            )
+            for group in (optimizer.param_groups if optimizer is not None else [])
+        )
         futures = []
         for ps, task in enumerate(self.cluster.ps):
             mine = [s for s in shards if s.ps == ps]
-            groups = []
-            for group in optimizer.param_groups if optimizer is not None else []:
-                in_group = {names[id(p)] for p in group["params"]}
-                hyper = {k: v for k, v in group.items() if k != "params"}
-                groups.append({**hyper, "keys": [s.key for s in mine if s.name in in_group]})
+            groups = [
+                {**hyper, "keys": [s.key for s in mine if s.name in in_group]}
+                for in_group, hyper in param_groups
+            ]
             values = {s.key: shard_rows(tensors[s.name], s).detach().clone() for s in mine}
             optimizer_class = type(optimizer) if optimizer is not None else None
             futures.append(
                 rpc.rpc_async(
                     task,
                     shard_store.create,
-                    (model_id, values, optimizer_class, groups),
+                    (model_id, values, optimizer_class, groups, self.synchronous),
                     timeout=self.timeout_seconds,
                 )
             )
@@ -166,6 +184,7 @@ class ParameterServerStrategy:
         for future in futures:
             future.wait()
         local = parameter_server_worker.WorkerModel(model_id, module, shards, self.timeout_seconds)
+        self.models.append(MirroredModel(model_id, module, tuple(shards), param_groups))
         handle = ParameterServerModule(model_id, local)
         return handle, ParameterServerOptimizer(model_id) if optimizer is not None else None
 

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import mirrored
 from mirrored import config, same_host_all_reduce
 from mirrored.same_host_all_reduce import SameHostAllReduce
-from tests.multiprocess.parameter_server_jobs import train_digits
+from tests.multiprocess import parameter_server_jobs
 from tests.reference_loops import OPTIMIZERS, make_batches, make_mlp, train_mirrored
 
 
@@ -494,7 +494,7 @@ JOBS: dict[str, Callable[..., None]] = {
         uneven_input,
         seeded_per_rank,
         backup,
-        train_digits,
+        *parameter_server_jobs.JOBS,
     )
 }
 

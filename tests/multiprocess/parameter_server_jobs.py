@@ -4,6 +4,8 @@ workers."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,20 @@ def make_model() -> nn.Module:
     return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
 
 
+@contextlib.contextmanager
+def adam_job(learning_rate: float, **options: Any) -> Iterator[tuple[ClusterCoordinator, Any, Any]]:
+    """The strategy of these jobs (by default 2 shards per parameter; 60 s timeouts) with its
+    coordinator, and ``make_model()`` mirrored with Adam."""
+    options.setdefault("variable_partitioner", FixedShardsPartitioner(2))
+    with ParameterServerStrategy(timeout_seconds=60, **options) as strategy:
+        coordinator = ClusterCoordinator(strategy)
+        module = make_model()
+        model, optimizer = strategy.mirror(
+            module, torch.optim.Adam(module.parameters(), learning_rate)
+        )
+        yield coordinator, model, optimizer
+
+
 def digits_batches(context: mirrored.InputContext) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """This worker's shard of the training digits, reshuffled differently per worker."""
     (x, y), _ = digits()
@@ -47,7 +63,10 @@ def digits_batches(context: mirrored.InputContext) -> list[tuple[torch.Tensor, t
 
 
 def train_step(model: nn.Module, optimizer: Any, iterator: Any) -> torch.Tensor:
-    x, y = next(iterator)
+    return train_on(model, optimizer, *next(iterator))
+
+
+def train_on(model: nn.Module, optimizer: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     loss = F.cross_entropy(model(x), y)
     loss.backward()
     optimizer.step()
@@ -64,12 +83,7 @@ def train_digits(out: Path, mode: str = "async", epochs: str = "8") -> None:
     """Digits on 2 workers and 2 ps tasks (parameters cut in 2 shards each); the chief records
     the test accuracy and the ps tasks' parameters."""
     staleness = {"async": None, "ssp": 1}[mode]
-    with ParameterServerStrategy(
-        variable_partitioner=FixedShardsPartitioner(2), max_staleness=staleness, timeout_seconds=60
-    ) as strategy:
-        coordinator = ClusterCoordinator(strategy)
-        module = make_model()
-        model, optimizer = strategy.mirror(module, torch.optim.Adam(module.parameters(), 3e-3))
+    with adam_job(3e-3, max_staleness=staleness) as (coordinator, model, optimizer):
         iterator = iter(coordinator.create_per_worker_dataset(digits_batches))
         (x, _), (x_test, y_test) = digits()
         steps = int(epochs) * -(-len(x) // BATCH)
@@ -101,3 +115,85 @@ def plain_digits_accuracy(epochs: int = 8) -> float:
             optimizer.step()
             optimizer.zero_grad()
     return accuracy(model, x_test, y_test)
+
+
+def numbered_batch(index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batch ``index`` of a fixed synthetic set, the same on whichever worker asks."""
+    generator = torch.Generator().manual_seed(100 + index)
+    return torch.randn(8, 64, generator=generator), torch.randint(0, 10, (8,), generator=generator)
+
+
+def step_on_batch(model: nn.Module, optimizer: Any, index: int) -> torch.Tensor:
+    return train_on(model, optimizer, *numbered_batch(index))
+
+
+def plain_rounds(
+    module: nn.Module, optimizer: torch.optim.Optimizer, rounds: list[list[int]]
+) -> torch.Tensor:
+    """Synchronous training on one process: a step per round, on the mean of its numbered
+    batches' losses; every batch's loss."""
+    all_losses = []
+    for round_ in rounds:
+        losses = [F.cross_entropy(module(x), y) for x, y in map(numbered_batch, round_)]
+        torch.stack(losses).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        all_losses += [loss.detach() for loss in losses]
+    return torch.stack(all_losses)
+
+
+def synchronous_rounds(out: Path) -> None:
+    """Synchronous mode: 7 functions on 2 workers are rounds {0, 1}, {2, 3}, {4, 5} and {6}
+    (closed by join); the chief records the ps tasks' parameters, each function's loss, and the
+    same computed on one process, one Adam step per round on the mean of its batches' losses."""
+    with adam_job(1e-2, synchronous=True) as (coordinator, model, optimizer):
+        values = [coordinator.schedule(step_on_batch, (model, optimizer, i)) for i in range(7)]
+        coordinator.join()
+        assert coordinator.done()
+        model.pull()
+        reference = make_model()
+        reference_losses = plain_rounds(
+            reference, torch.optim.Adam(reference.parameters(), 1e-2), [[0, 1], [2, 3], [4, 5], [6]]
+        )
+        torch.save(
+            {
+                "weights": model.module.state_dict(),
+                "reference": reference.state_dict(),
+                "losses": torch.stack([value.fetch() for value in values]),
+                "reference_losses": reference_losses,
+            },
+            out / "chief.pt",
+        )
+
+
+def checkpoint_resume(out: Path, phase: str) -> None:
+    """Synchronous rounds of ``step_on_batch``. Phase "first" (2 shards per parameter): 4
+    functions, ``save``, 4 more, then ``restore``; phase "resume", in new processes with whole
+    parameters: ``restore`` the first phase's file, then the same 4 more functions."""
+    saved = out / "ps.ckpt"
+    partitioner = FixedShardsPartitioner(2) if phase == "first" else None
+    with adam_job(1e-2, synchronous=True, variable_partitioner=partitioner) as (
+        coordinator,
+        model,
+        optimizer,
+    ):
+        record: dict[str, Any] = {}
+        if phase == "first":
+            for i in range(4):
+                coordinator.schedule(step_on_batch, (model, optimizer, i))
+            assert coordinator.save(saved) == saved
+        else:
+            coordinator.restore(saved)
+        for i in range(4, 8):
+            coordinator.schedule(step_on_batch, (model, optimizer, i))
+        coordinator.join()
+        model.pull()
+        record["trained"] = {k: v.clone() for k, v in model.module.state_dict().items()}
+        if phase == "first":
+            coordinator.restore(saved)
+            model.pull()
+            record["restored"] = model.module.state_dict()
+        torch.save(record, out / f"chief-{phase}.pt")
+
+
+JOBS = (train_digits, synchronous_rounds, checkpoint_resume)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.multiprocess.parameter_server_jobs import plain_digits_accuracy
+from tests.multiprocess.parameter_server_jobs import make_model, plain_digits_accuracy, plain_rounds
 from tests.multiprocess.spawn import assert_all_succeeded, run_workers
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -24,3 +24,35 @@ def test_asynchronous_training_reaches_the_synchronous_accuracy_on_digits(
     assert reference > 0.9
     assert result["accuracy"] >= reference - 0.02, (result["accuracy"], reference)
     assert result["losses"][-20:].mean() < result["losses"][:20].mean() / 4
+
+
+def test_synchronous_rounds_equal_one_averaged_step_per_round(tmp_path: Path) -> None:
+    workers = run_workers("synchronous_rounds", tmp_path, 5, cluster="ps:2:2", timeout=120)
+    assert_all_succeeded(workers)
+    result = torch.load(tmp_path / "chief.pt", weights_only=True)
+    torch.testing.assert_close(result["losses"], result["reference_losses"], rtol=1e-5, atol=1e-6)
+    for name, value in result["reference"].items():
+        torch.testing.assert_close(result["weights"][name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_a_checkpoint_restores_in_the_job_and_resumes_in_a_new_one(tmp_path: Path) -> None:
+    """Saved after 4 synchronous functions: restoring brings those parameters back; a new job
+    (whole parameters instead of 2 shards each) restoring the file and running the next 4
+    functions ends where the first job did; the file loads into the plain model and Adam."""
+    first = run_workers("checkpoint_resume", tmp_path, 5, cluster="ps:2:2", args=["first"])
+    assert_all_succeeded(first)
+    resumed = run_workers("checkpoint_resume", tmp_path, 5, cluster="ps:2:2", args=["resume"])
+    assert_all_succeeded(resumed)
+    saved = torch.load(tmp_path / "ps.ckpt", weights_only=True)
+    first_run = torch.load(tmp_path / "chief-first.pt", weights_only=True)
+    resumed_run = torch.load(tmp_path / "chief-resume.pt", weights_only=True)
+    module = make_model()
+    module.load_state_dict(saved["models"][0]["model"])
+    optimizer = torch.optim.Adam(module.parameters(), 1e-2)
+    optimizer.load_state_dict(saved["models"][0]["optimizer"])
+    plain_rounds(module, optimizer, [[4, 5], [6, 7]])  # the plain model continues as the jobs did
+    for name, value in saved["models"][0]["model"].items():
+        assert torch.equal(first_run["restored"][name], value)
+        assert not torch.equal(first_run["trained"][name], value)
+        torch.testing.assert_close(resumed_run["trained"][name], first_run["trained"][name])
+        torch.testing.assert_close(module.state_dict()[name], first_run["trained"][name])
