@@ -315,7 +315,7 @@ class ClusterCoordinator:
                 finished_below = min(self._unfinished)
                 self._in_flight += 1
             try:
-                ok, result = rpc.rpc_sync(
+                status, result = rpc.rpc_sync(
                     worker,
                     parameter_server_worker.run_function,
                     (function.id, finished_below, function.fn, function.args, function.kwargs),
@@ -328,10 +328,18 @@ class ClusterCoordinator:
                 self._in_flight -= 1
                 self._unfinished.discard(function.id)
                 self._clocks[worker] += 1
-                if ok:
+                if status == "ok":
                     function.value._finish(result)
-                else:
+                elif status == "raised":
                     self._fail(function, worker, *result)
+                else:  # a ps task is lost: nothing can be trained any more
+                    lost = RuntimeError(
+                        f"{result} (while {worker} ran {_name(function)}); the job cannot go on "
+                        "without it: restart it from its last checkpoint (ClusterCoordinator."
+                        "save / restore)"
+                    )
+                    function.value._finish(error=lost)
+                    self._lose(lost)
                 self._condition.notify_all()
             self._commit_rounds()
 
@@ -381,8 +389,7 @@ class ClusterCoordinator:
 
     def _fail(self, function: _Function, worker: str, kind: str, message: str, trace: str) -> None:
         error = ScheduledFunctionError(
-            f"{getattr(function.fn, '__qualname__', function.fn)} raised on {worker}: "
-            f"{kind}: {message}",
+            f"{_name(function)} raised on {worker}: {kind}: {message}",
             kind,
             trace,
         )
@@ -447,3 +454,7 @@ class ClusterCoordinator:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _name(function: _Function) -> str:
+    return str(getattr(function.fn, "__qualname__", function.fn))

@@ -13,7 +13,8 @@ own objects, registered under the handle's id when the coordinator created them:
   whenever one ends (TensorFlow asks for ``repeat()``).
 
 The function's own errors come back as values, so that every error of the RPC call itself means
-the worker or its connection was lost.
+the worker or its connection was lost. A ps task that cannot be reached during a pull or a push
+comes back as such, not as the function's error: the job cannot go on without it.
 """
 
 from __future__ import annotations
@@ -31,11 +32,26 @@ from mirrored import shard_store
 from mirrored.partitioners import ShardSpec
 from mirrored.values import flatten, map_structure
 
-__all__ = ["WorkerModel", "WorkerOptimizer", "shard_rows"]
+__all__ = ["ParameterServerLostError", "WorkerModel", "WorkerOptimizer", "shard_rows"]
 
 _models: dict[int, WorkerModel] = {}
 _iterators: dict[int, RepeatingIterator] = {}
 _running = threading.local()  # the scheduled function under way: (id, watermark, pushes)
+
+
+class ParameterServerLostError(RuntimeError):
+    """A ps task did not answer a pull or a push (its process died, or it timed out)."""
+
+
+def _wait_all(futures: list[tuple[str, Any]]) -> list[Any]:
+    """The results of RPCs to ps tasks, ``(name, future)`` each; a failed one is a lost ps."""
+    results = []
+    for name, future in futures:
+        try:
+            results.append(future.wait())
+        except Exception as error:
+            raise ParameterServerLostError(f"ps task {name} did not answer: {error}") from error
+    return results
 
 
 class WorkerModel(nn.Module):
@@ -60,14 +76,17 @@ class WorkerModel(nn.Module):
         """Copy the ps tasks' current values into this worker's module."""
         tasks = sorted({shard.ps for shard in self._shards})
         futures = [
-            rpc.rpc_async(
-                f"ps{ps}", shard_store.pull, (self._model_id,), timeout=self._timeout_seconds
+            (
+                f"ps{ps}",
+                rpc.rpc_async(
+                    f"ps{ps}", shard_store.pull, (self._model_id,), timeout=self._timeout_seconds
+                ),
             )
             for ps in tasks
         ]
         values: dict[str, torch.Tensor] = {}
-        for future in futures:
-            values.update(future.wait()[1])
+        for _, shards in _wait_all(futures):
+            values.update(shards)
         with torch.no_grad():
             for shard in self._shards:
                 shard_rows(self._names[shard.name], shard).copy_(values[shard.key])
@@ -88,16 +107,18 @@ class WorkerModel(nn.Module):
                 gradients[shard.key] = shard_rows(parameter.grad, shard)
         worker = rpc.get_worker_info().name
         futures = [
-            rpc.rpc_async(
+            (
                 f"ps{ps}",
-                shard_store.push,
-                (self._model_id, worker, function_id, position, finished_below, *update),
-                timeout=self._timeout_seconds,
+                rpc.rpc_async(
+                    f"ps{ps}",
+                    shard_store.push,
+                    (self._model_id, worker, function_id, position, finished_below, *update),
+                    timeout=self._timeout_seconds,
+                ),
             )
             for ps, update in sorted(by_task.items())
         ]
-        for future in futures:
-            future.wait()
+        _wait_all(futures)
 
 
 class WorkerOptimizer:
@@ -179,9 +200,9 @@ def run_function(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-) -> tuple[bool, Any]:
-    """Run one scheduled function: ``(True, result)``, or ``(False, (type name, message,
-    traceback))`` when it raised."""
+) -> tuple[str, Any]:
+    """Run one scheduled function: ``("ok", result)``; ``("raised", (type name, message,
+    traceback))`` when it raised; ``("ps_lost", message)`` when a ps task did not answer."""
     _running.state = (function_id, finished_below, {})
     try:
         for used in {
@@ -189,9 +210,11 @@ def run_function(
         }.values():
             used.pull()
         result = fn(*args, **kwargs)
-        return True, _detached(result)
+        return "ok", _detached(result)
+    except ParameterServerLostError as error:
+        return "ps_lost", str(error)
     except Exception as error:
-        return False, (type(error).__name__, str(error), traceback.format_exc())
+        return "raised", (type(error).__name__, str(error), traceback.format_exc())
     finally:
         del _running.state
 

@@ -5,11 +5,14 @@ workers."""
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.rpc as rpc
 import torch.nn.functional as F
 from torch import nn
 
@@ -196,4 +199,89 @@ def checkpoint_resume(out: Path, phase: str) -> None:
         torch.save(record, out / f"chief-{phase}.pt")
 
 
-JOBS = (train_digits, synchronous_rounds, checkpoint_resume)
+class Counter(nn.Module):
+    """One parameter of 4 rows (2 shards, one per ps task); its loss has gradient 1 everywhere,
+    so SGD with lr 1 counts the updates applied: each takes 1 from every row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.value = nn.Parameter(torch.zeros(4))
+
+    def forward(self) -> torch.Tensor:
+        return self.value.sum()
+
+
+_functions_run = 0  # on a worker: how many count_down calls it has run
+
+
+def count_down(model: nn.Module, optimizer: Any, fault: str) -> str:
+    """Two updates; with fault "worker", worker1's second function dies between its second
+    update's push to ps0 and its push to ps1."""
+    global _functions_run
+    _functions_run += 1
+    name = rpc.get_worker_info().name
+    for step in range(2):
+        if fault == "worker" and name == "worker1" and _functions_run == 2 and step == 1:
+            _die_between_ps_tasks()
+        model().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return name
+
+
+def _die_between_ps_tasks() -> None:
+    send = rpc.rpc_async
+
+    def push_to_ps0_only(to: str, *args: Any, **kwargs: Any) -> Any:
+        if to == "ps1":
+            os.kill(os.getpid(), signal.SIGKILL)
+        future = send(to, *args, **kwargs)
+        future.wait()  # ps0 has applied it
+        return future
+
+    rpc.rpc_async = push_to_ps0_only
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def counter(out: Path, fault: str, mode: str = "async", phase: str = "first") -> None:
+    """A chief, 2 workers and 2 ps tasks count down with 12 functions of 2 updates each. Faults:
+    "worker" (worker1 dies mid-function), "ps" (after a checkpoint at 4 functions the chief
+    kills ps1: the next join fails; phase "resume" restores that checkpoint in new processes
+    and runs the other 8), "chief" (the chief dies after 4 functions)."""
+    saved = out / "counter.ckpt"
+    with ParameterServerStrategy(
+        variable_partitioner=FixedShardsPartitioner(2),
+        synchronous=mode == "sync",
+        timeout_seconds=30,
+    ) as strategy:
+        coordinator = ClusterCoordinator(strategy)
+        module = Counter()
+        model, optimizer = strategy.mirror(module, torch.optim.SGD(module.parameters(), lr=1.0))
+        record: dict[str, Any] = {}
+        runs = []
+        if phase == "resume":
+            coordinator.restore(saved)
+        else:
+            runs += [coordinator.schedule(count_down, (model, optimizer, fault)) for _ in range(4)]
+            coordinator.join()
+            if fault == "chief":
+                _die()
+            if fault == "ps":
+                coordinator.save(saved)
+                rpc.rpc_async("ps1", _die)
+        runs += [coordinator.schedule(count_down, (model, optimizer, fault)) for _ in range(8)]
+        try:
+            coordinator.join()
+        except RuntimeError as error:
+            record["error"] = str(error)
+        else:
+            model.pull()
+            record["value"] = module.value.detach().clone()
+            record["ran_on"] = [run.fetch() for run in runs]
+        torch.save(record, out / f"chief-{phase}.pt")
+
+
+JOBS = (train_digits, synchronous_rounds, checkpoint_resume, counter)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.multiprocess.parameter_server_jobs import make_model, plain_digits_accuracy, plain_rounds
-from tests.multiprocess.spawn import assert_all_succeeded, run_workers
+from tests.multiprocess.spawn import Worker, assert_all_succeeded, run_workers
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -56,3 +56,45 @@ def test_a_checkpoint_restores_in_the_job_and_resumes_in_a_new_one(tmp_path: Pat
         assert not torch.equal(first_run["trained"][name], value)
         torch.testing.assert_close(resumed_run["trained"][name], first_run["trained"][name])
         torch.testing.assert_close(module.state_dict()[name], first_run["trained"][name])
+
+
+CHIEF, WORKER1, PS1 = 0, 2, 4  # ranks of "ps:2:2": chief, worker0, worker1, ps0, ps1
+
+
+def _exits(workers: list[Worker]) -> list[int | None]:
+    return [worker.returncode for worker in workers]
+
+
+@pytest.mark.parametrize(("mode", "expected"), [("async", -24.0), ("sync", -12.0)])
+def test_a_killed_worker_s_function_runs_again_and_every_update_counts_once(
+    tmp_path: Path, mode: str, expected: float
+) -> None:
+    """12 functions of 2 updates; worker1 dies after its second function's second update
+    reached ps0 but not ps1. Asynchronous: each update takes 1; synchronous: each round of 2
+    functions takes 1 per update."""
+    workers = run_workers("counter", tmp_path, 5, cluster="ps:2:2", args=["worker", mode])
+    assert _exits(workers) == [0, 0, -9, 0, 0], "\n".join(w.output for w in workers)
+    result = torch.load(tmp_path / "chief-first.pt", weights_only=True)
+    assert torch.equal(result["value"], torch.full((4,), expected))
+    assert result["ran_on"].count("worker1") == 1  # its second function ran again on worker0
+    assert result["ran_on"].count("worker0") == 11
+
+
+def test_a_lost_ps_fails_the_job_clearly_and_its_last_checkpoint_resumes(tmp_path: Path) -> None:
+    workers = run_workers("counter", tmp_path, 5, cluster="ps:2:2", args=["ps"])
+    assert _exits(workers) == [0, 0, 0, 0, -9], "\n".join(w.output for w in workers)
+    error = torch.load(tmp_path / "chief-first.pt", weights_only=True)["error"]
+    assert "ps task ps1 did not answer" in error and "restart it from its last checkpoint" in error
+    resumed = run_workers("counter", tmp_path, 5, cluster="ps:2:2", args=["ps", "async", "resume"])
+    assert_all_succeeded(resumed)
+    result = torch.load(tmp_path / "chief-resume.pt", weights_only=True)
+    assert torch.equal(result["value"], torch.full((4,), -24.0))  # 4 before the save, 8 after
+
+
+def test_a_lost_coordinator_ends_every_other_task_with_an_error(tmp_path: Path) -> None:
+    workers = run_workers("counter", tmp_path, 5, cluster="ps:2:2", args=["chief"], timeout=90)
+    assert workers[CHIEF].returncode == -9
+    for worker in workers[1:]:
+        assert worker.returncode == 1, worker.output
+        assert "the coordinator (the chief task, 127.0.0.1:" in worker.output
+        assert "is gone" in worker.output
