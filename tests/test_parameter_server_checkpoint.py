@@ -7,7 +7,12 @@ import pytest
 import torch
 from torch import nn
 
-from mirrored.parameter_server_checkpoint import MirroredModel, gather, scatter
+from mirrored.parameter_server_checkpoint import (
+    MirroredModel,
+    gather,
+    load_hyperparameters,
+    scatter,
+)
 from mirrored.partitioners import FixedShardsPartitioner, Partitioner, plan_shards
 from mirrored.shard_store import ShardStore
 
@@ -95,3 +100,13 @@ def test_a_checkpoint_that_does_not_fit_is_refused_naming_what() -> None:
     one_group = {**saved, "optimizer": {**saved["optimizer"], "param_groups": groups}}
     with pytest.raises(ValueError, match=r"groups of \[6\] parameters, this one \[2, 4\]"):
         scatter(model, one_group, 2)
+
+
+def test_the_hyperparameters_saved_are_the_handle_s_current_ones_and_restore_into_it() -> None:
+    model, stores = _mirror(_module(), 2, None)
+    model.param_groups[1][1]["lr"] = 0.003  # as ParameterServerOptimizer.param_groups[1]["lr"]
+    saved = gather(model, [store.state_dict() for store in stores])
+    assert [g["lr"] for g in saved["optimizer"]["param_groups"]] == [0.1, 0.003]
+    model.param_groups[1][1]["lr"] = 0.5
+    load_hyperparameters(model, saved)
+    assert model.param_groups[1][1]["lr"] == 0.003

@@ -129,3 +129,10 @@ def test_a_checkpoint_that_does_not_fit_loads_nothing() -> None:
     with pytest.raises(ValueError, match="this ps task holds"):
         store.load_state_dict(missing)
     assert all(torch.equal(before[k], v) for k, v in store.pull()[1].items())
+
+
+def test_an_update_is_applied_with_the_hyperparameters_it_was_pushed_with() -> None:
+    store = _store()  # lr 0.5
+    store.push("worker0", 1, 0, 0, {"w/0": torch.ones(2, 3)}, {}, [{"lr": 0.25}])
+    store.push("worker0", 2, 0, 0, {"w/0": torch.ones(2, 3)}, {})  # none sent: the last ones
+    assert torch.equal(store.pull()[1]["w/0"], torch.full((2, 3), 0.5))

@@ -65,6 +65,10 @@ class RemoteValue:
         self._value, self._error = value, error
         self._done.set()
 
+    def done(self) -> bool:
+        """Whether the function has run (or failed)."""
+        return self._done.is_set()
+
     def fetch(self) -> Any:
         """Wait for the function to run and return its result (tensors on the CPU), or raise
         its error."""
@@ -219,27 +223,26 @@ class ClusterCoordinator:
         return PerWorkerDataset(dataset_id)
 
     # -- checkpoints ------------------------------------------------------------------------------
-    def save(self, path: str | os.PathLike[str]) -> Path:
+    def save(self, path: str | os.PathLike[str], metadata: dict[str, Any] | None = None) -> Path:
         """Write every mirrored model and its optimizer, as they are once every function
         scheduled so far has run, to ``path`` atomically (``mirrored.parameter_server_checkpoint``
-        says what the file holds); no function starts while the ps tasks are read."""
+        says what the file holds), with ``metadata`` (plain data: numbers, strings, tensors,
+        lists, dicts) that ``restore`` returns; no function starts while the ps tasks are read."""
         self.join()
-        models = self.strategy.models
-        with self._paused():
-            states = self._on_every_ps(
-                shard_store.state_dict, [[(m.model_id,) for m in models]] * self.strategy.num_ps
-            )
-        entries = [
-            parameter_server_checkpoint.gather(model, [task[i] for task in states])
-            for i, model in enumerate(models)
-        ]
+        entries = self._read(self.strategy.models)
         return checkpoint.save(
-            {"format": parameter_server_checkpoint.FORMAT, "models": entries}, path
+            {
+                "format": parameter_server_checkpoint.FORMAT,
+                "models": entries,
+                "metadata": metadata or {},
+            },
+            path,
         )
 
-    def restore(self, path: str | os.PathLike[str]) -> None:
+    def restore(self, path: str | os.PathLike[str]) -> dict[str, Any]:
         """Load a file written by ``save`` into the ps tasks (all or nothing: it is checked
-        against every model first); functions scheduled before it run first."""
+        against every model first), and the optimizers' hyperparameters into their handles;
+        functions scheduled before it run first. Returns the file's metadata."""
         saved = checkpoint.load(path)
         models = self.strategy.models
         if not isinstance(saved, dict) or saved.get("format") != parameter_server_checkpoint.FORMAT:
@@ -249,11 +252,42 @@ class ClusterCoordinator:
                 f"{str(path)!r} holds {len(saved['models'])} model(s), this job mirrored "
                 f"{len(models)}: mirror the same models, in the same order, before restore()"
             )
+        self.join()
+        self._write(models, saved["models"])
+        return dict(saved["metadata"])
+
+    def load_weights(self, model: Any, state_dict: dict[str, Any]) -> None:
+        """Replace a mirrored model's parameters and buffers on the ps tasks with
+        ``state_dict`` (its ``state_dict()`` keys and shapes, else nothing changes), keeping
+        its optimizer's state; functions scheduled before it run first."""
+        mirrored = next((m for m in self.strategy.models if m.model_id == model.model_id), None)
+        if mirrored is None:
+            raise ValueError(f"{model!r} was not mirrored by this coordinator's strategy")
+        self.join()
+        with self._paused():
+            (entry,) = self._read([mirrored])
+            self._write([mirrored], [{**entry, "model": state_dict}])
+
+    def _read(self, models: list[parameter_server_checkpoint.MirroredModel]) -> list[Any]:
+        """The checkpoint entries of ``models``, read while no function runs."""
+        with self._paused():
+            states = self._on_every_ps(
+                shard_store.state_dict, [[(m.model_id,) for m in models]] * self.strategy.num_ps
+            )
+        return [
+            parameter_server_checkpoint.gather(model, [task[i] for task in states])
+            for i, model in enumerate(models)
+        ]
+
+    def _write(
+        self, models: list[parameter_server_checkpoint.MirroredModel], entries: list[Any]
+    ) -> None:
+        """Load checkpoint entries into the ps tasks while no function runs; every entry is
+        checked before any ps task receives anything."""
         per_model = [  # one list per model, of each ps task's part
             parameter_server_checkpoint.scatter(model, entry, self.strategy.num_ps)
-            for model, entry in zip(models, saved["models"], strict=True)
+            for model, entry in zip(models, entries, strict=True)
         ]
-        self.join()
         with self._paused():
             self._on_every_ps(
                 shard_store.load_state_dict,
@@ -262,6 +296,8 @@ class ClusterCoordinator:
                     for ps in range(self.strategy.num_ps)
                 ],
             )
+        for model, entry in zip(models, entries, strict=True):
+            parameter_server_checkpoint.load_hyperparameters(model, entry)
 
     def _on_every_ps(
         self, function: Callable[..., Any], calls: list[list[tuple[Any, ...]]]

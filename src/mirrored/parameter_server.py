@@ -23,15 +23,15 @@ import contextlib
 import datetime
 import itertools
 import threading
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, overload
 
 import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 from torch import nn
 
-from mirrored import parameter_server_worker, shard_store
+from mirrored import context, parameter_server_worker, shard_store
 from mirrored.cluster_resolver import ClusterResolver, resolve_cluster
 from mirrored.parameter_server_checkpoint import MirroredModel
 from mirrored.parameter_server_worker import shard_rows
@@ -110,6 +110,22 @@ class ParameterServerStrategy:
         self._coordinators: list[Any] = []  # ClusterCoordinators of this strategy
         self._closed = False
 
+    #: ``mirrored.Model`` trains through a ``ClusterCoordinator`` on this strategy.
+    runs_on_parameter_servers = True
+    #: Gradients are pushed, not summed where the train step could unscale them.
+    gradients_after_backward = False
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[ParameterServerStrategy]:
+        """Make this strategy current (``mirrored.get_strategy()``), e.g. to create a
+        ``mirrored.Model`` on it."""
+        with context.strategy_scope(self):  # type: ignore[arg-type]
+            yield self
+
+    def save_on_chief(self, write: Callable[[], object]) -> None:
+        """Run a checkpoint's ``write``: only the chief runs the training program here."""
+        write()
+
     @property
     def num_workers(self) -> int:
         return len(self.cluster.workers)
@@ -126,12 +142,32 @@ class ParameterServerStrategy:
         )
 
     # -- models ---------------------------------------------------------------------------------
+    @overload
     def mirror(
-        self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None
-    ) -> tuple[ParameterServerModule, ParameterServerOptimizer | None]:
+        self, module: nn.Module, *, sync_batch_norm: bool = False
+    ) -> ParameterServerModule: ...
+
+    @overload
+    def mirror(
+        self, module: nn.Module, optimizer: torch.optim.Optimizer, *, sync_batch_norm: bool = False
+    ) -> tuple[ParameterServerModule, ParameterServerOptimizer]: ...
+
+    def mirror(
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        sync_batch_norm: bool = False,
+    ) -> ParameterServerModule | tuple[ParameterServerModule, ParameterServerOptimizer]:
         """Place ``module``'s parameters and buffers on the ps tasks, with an optimizer of
         ``optimizer``'s class and hyperparameters beside them, and give every worker a copy of
-        ``module`` (its class must be importable there: run the same script in every task)."""
+        ``module`` (its class must be importable there: run the same script in every task).
+        Returns the model's handle, and the optimizer's when one is given."""
+        if sync_batch_norm:
+            raise ValueError(
+                "sync_batch_norm: each worker of a ParameterServerStrategy steps on its own "
+                "batches, with no replica to synchronise batch statistics with"
+            )
         owned = {id(p) for p in module.parameters()}
         if optimizer is not None:
             foreign = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in owned]
@@ -186,7 +222,10 @@ class ParameterServerStrategy:
         local = parameter_server_worker.WorkerModel(model_id, module, shards, self.timeout_seconds)
         self.models.append(MirroredModel(model_id, module, tuple(shards), param_groups))
         handle = ParameterServerModule(model_id, local)
-        return handle, ParameterServerOptimizer(model_id) if optimizer is not None else None
+        if optimizer is None:
+            return handle
+        # The optimizer handle's hyperparameters are the very dicts the checkpoints read.
+        return handle, ParameterServerOptimizer(model_id, [h for _, h in param_groups])
 
     # -- lifetime ---------------------------------------------------------------------------------
     def close(self) -> None:
@@ -240,13 +279,19 @@ class ParameterServerModule(nn.Module):
 
 class ParameterServerOptimizer:
     """A mirrored model's optimizer: pass it to scheduled functions, where ``step()`` pushes the
-    gradients to the ps tasks that apply them."""
+    gradients to the ps tasks that apply them. ``param_groups`` holds each group's
+    hyperparameters (no tensors): change them here (``group["lr"] = ...``) and every function
+    sent to a worker from then on applies its updates with the new values."""
 
-    def __init__(self, model_id: int) -> None:
+    def __init__(self, model_id: int, param_groups: list[dict[str, Any]]) -> None:
         self.model_id = model_id
+        self.param_groups = param_groups
 
-    def __reduce__(self) -> tuple[Callable[[int], Any], tuple[int]]:
-        return parameter_server_worker.optimizer, (self.model_id,)
+    def __reduce__(self) -> tuple[Callable[..., Any], tuple[int, list[dict[str, Any]]]]:
+        return parameter_server_worker.optimizer, (
+            self.model_id,
+            [dict(group) for group in self.param_groups],
+        )
 
 
 def _check_cluster(spec: dict[str, list[str]]) -> None:

@@ -24,7 +24,7 @@ from torch import nn
 
 from mirrored.partitioners import ShardSpec
 
-__all__ = ["FORMAT", "MirroredModel", "gather", "scatter"]
+__all__ = ["FORMAT", "MirroredModel", "gather", "load_hyperparameters", "scatter"]
 
 FORMAT = "mirrored.parameter_server/1"
 
@@ -32,12 +32,13 @@ FORMAT = "mirrored.parameter_server/1"
 @dataclass(frozen=True)
 class MirroredModel:
     """What the coordinator knows of a model it mirrored: where its shards are, and its
-    optimizer's parameter groups (the parameters' names, the hyperparameters)."""
+    optimizer's parameter groups (the parameters' names, and the hyperparameters: the dicts
+    of the optimizer handle's ``param_groups``, current whenever they are read)."""
 
     model_id: int
     module: nn.Module
     shards: tuple[ShardSpec, ...]
-    param_groups: tuple[tuple[tuple[str, ...], Mapping[str, Any]], ...]
+    param_groups: tuple[tuple[tuple[str, ...], dict[str, Any]], ...]
 
     def parameter_names(self) -> list[str]:
         """The optimizer's parameters in ``torch.optim``'s index order."""
@@ -112,6 +113,14 @@ def scatter(model: MirroredModel, saved: Mapping[str, Any], num_ps: int) -> list
                 key: _rows(value, shard, rows) for key, value in by_name[shard.name].items()
             }
     return tasks
+
+
+def load_hyperparameters(model: MirroredModel, saved: Mapping[str, Any]) -> None:
+    """Set the optimizer handle's hyperparameters to a checkpoint's (after ``scatter``)."""
+    for (_, hyper), group in zip(
+        model.param_groups, saved["optimizer"]["param_groups"], strict=True
+    ):
+        hyper.update({k: v for k, v in group.items() if k != "params"})
 
 
 def _rows(value: Any, shard: ShardSpec, rows: int) -> Any:

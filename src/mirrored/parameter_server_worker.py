@@ -22,6 +22,7 @@ from __future__ import annotations
 import threading
 import traceback
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,7 +37,17 @@ __all__ = ["ParameterServerLostError", "WorkerModel", "WorkerOptimizer", "shard_
 
 _models: dict[int, WorkerModel] = {}
 _iterators: dict[int, RepeatingIterator] = {}
-_running = threading.local()  # the scheduled function under way: (id, watermark, pushes)
+_running = threading.local()  # .function: the _Running of the scheduled function under way
+
+
+@dataclass
+class _Running:
+    """The scheduled function under way on this thread."""
+
+    function_id: int
+    finished_below: int  # the coordinator's watermark: every function below it has finished
+    pushes: dict[int, int] = field(default_factory=dict)  # model id -> updates pushed so far
+    pulled: set[int] = field(default_factory=set)  # ids of the models pulled for it
 
 
 class ParameterServerLostError(RuntimeError):
@@ -56,7 +67,8 @@ def _wait_all(futures: list[tuple[str, Any]]) -> list[Any]:
 
 class WorkerModel(nn.Module):
     """A mirrored model as a scheduled function sees it: this worker's copy, holding the ps
-    tasks' parameters as of the function's start."""
+    tasks' parameters as of the function's start (pulled when the function starts, if it is
+    among the function's arguments, else at its first forward, e.g. inside a dataclass)."""
 
     def __init__(
         self, model_id: int, module: nn.Module, shards: list[ShardSpec], timeout_seconds: float
@@ -70,7 +82,15 @@ class WorkerModel(nn.Module):
         self._parameters_by_name = dict(module.named_parameters())
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.pull_for_function()
         return self.module(*args, **kwargs)
+
+    def pull_for_function(self) -> None:
+        """Pull, once per scheduled function (a no-op outside one)."""
+        running = getattr(_running, "function", None)
+        if running is not None and self._model_id not in running.pulled:
+            running.pulled.add(self._model_id)
+            self.pull()
 
     def pull(self) -> None:
         """Copy the ps tasks' current values into this worker's module."""
@@ -91,12 +111,13 @@ class WorkerModel(nn.Module):
             for shard in self._shards:
                 shard_rows(self._names[shard.name], shard).copy_(values[shard.key])
 
-    def push(self) -> None:
+    def push(self, hyperparameters: list[dict[str, Any]]) -> None:
         """Send this worker's gradients (and buffers) to the ps tasks, as one update of the
-        running function."""
-        function_id, finished_below, pushes = _running.state
-        position = pushes.get(self._model_id, 0)
-        pushes[self._model_id] = position + 1
+        running function, to be applied with ``hyperparameters`` (one dict per parameter
+        group of the model's optimizer)."""
+        running = _running.function
+        position = running.pushes.get(self._model_id, 0)
+        running.pushes[self._model_id] = position + 1
         by_task: dict[int, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
         for shard in self._shards:
             gradients, buffers = by_task.setdefault(shard.ps, ({}, {}))
@@ -112,7 +133,15 @@ class WorkerModel(nn.Module):
                 rpc.rpc_async(
                     f"ps{ps}",
                     shard_store.push,
-                    (self._model_id, worker, function_id, position, finished_below, *update),
+                    (
+                        self._model_id,
+                        worker,
+                        running.function_id,
+                        position,
+                        running.finished_below,
+                        *update,
+                        hyperparameters,
+                    ),
                     timeout=self._timeout_seconds,
                 ),
             )
@@ -123,10 +152,13 @@ class WorkerModel(nn.Module):
 
 class WorkerOptimizer:
     """A mirrored optimizer as a scheduled function sees it: ``step()`` pushes the model's
-    gradients to the ps tasks, where the real optimizer applies them."""
+    gradients to the ps tasks, where the real optimizer applies them with this function's
+    ``param_groups`` hyperparameters (the coordinator's when it sent the function; a change
+    here, e.g. a learning-rate schedule, applies to this function's later steps)."""
 
-    def __init__(self, model: WorkerModel) -> None:
+    def __init__(self, model: WorkerModel, param_groups: list[dict[str, Any]]) -> None:
         self.model = model
+        self.param_groups = param_groups
 
     def step(self, closure: Callable[[], Any] | None = None) -> None:
         if closure is not None:
@@ -134,7 +166,7 @@ class WorkerOptimizer:
                 "a parameter-server optimizer cannot re-evaluate a closure: its update happens "
                 "on the ps tasks; call step() without one"
             )
-        self.model.push()
+        self.model.push(self.param_groups)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.model.module.zero_grad(set_to_none)
@@ -186,8 +218,8 @@ def model(model_id: int) -> WorkerModel:
     return _models[model_id]
 
 
-def optimizer(model_id: int) -> WorkerOptimizer:
-    return WorkerOptimizer(_models[model_id])
+def optimizer(model_id: int, param_groups: list[dict[str, Any]]) -> WorkerOptimizer:
+    return WorkerOptimizer(_models[model_id], param_groups)
 
 
 def iterator(dataset_id: int) -> RepeatingIterator:
@@ -203,12 +235,11 @@ def run_function(
 ) -> tuple[str, Any]:
     """Run one scheduled function: ``("ok", result)``; ``("raised", (type name, message,
     traceback))`` when it raised; ``("ps_lost", message)`` when a ps task did not answer."""
-    _running.state = (function_id, finished_below, {})
+    _running.function = _Running(function_id, finished_below)
     try:
-        for used in {
-            id(m): m for m in flatten((args, kwargs)) if isinstance(m, WorkerModel)
-        }.values():
-            used.pull()
+        for used in flatten((args, kwargs)):
+            if isinstance(used, WorkerModel):
+                used.pull_for_function()
         result = fn(*args, **kwargs)
         return "ok", _detached(result)
     except ParameterServerLostError as error:
@@ -216,7 +247,7 @@ def run_function(
     except Exception as error:
         return "raised", (type(error).__name__, str(error), traceback.format_exc())
     finally:
-        del _running.state
+        del _running.function
 
 
 def _detached(value: Any) -> Any:

@@ -29,7 +29,8 @@ import torch
 
 __all__ = ["ShardStore"]
 
-_Update = tuple[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]]  # gradients, buffers
+#: One pushed update: gradients, buffers, and the hyperparameters of each parameter group.
+_Update = tuple[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor], Sequence[Mapping[str, Any]]]
 
 
 class ShardStore:
@@ -53,11 +54,13 @@ class ShardStore:
             key: value.detach().clone().requires_grad_(key in trained)
             for key, value in shards.items()
         }
-        param_groups = [
-            {**{k: v for k, v in group.items() if k != "keys"}, "params": keys}
-            for group in groups
-            if (keys := [self._shards[key] for key in group["keys"]])
-        ]
+        param_groups, self._group_of = [], []  # the model's group index of each group here
+        for index, group in enumerate(groups):
+            if keys := [self._shards[key] for key in group["keys"]]:
+                param_groups.append(
+                    {**{k: v for k, v in group.items() if k != "keys"}, "params": keys}
+                )
+                self._group_of.append(index)
         self._optimizer = (
             optimizer_class(param_groups) if optimizer_class is not None and param_groups else None
         )
@@ -82,51 +85,60 @@ class ShardStore:
         finished_below: int,
         gradients: Mapping[str, torch.Tensor],
         buffers: Mapping[str, torch.Tensor],
+        hyperparameters: Sequence[Mapping[str, Any]] = (),
     ) -> bool:
-        """Apply one update (gradients through the optimizer, buffers assigned) unless it was
-        applied before or its worker is fenced; whether it was taken. In synchronous mode the
-        update waits for its round's ``commit``."""
+        """Apply one update (gradients through the optimizer with the worker's
+        ``hyperparameters`` for each of the model's parameter groups, buffers assigned) unless
+        it was applied before or its worker is fenced; whether it was taken. In synchronous
+        mode the update waits for its round's ``commit``."""
         with self._lock:
             if worker in self._fenced:
                 return False
             if gradients and self._optimizer is None:
                 raise ValueError("gradients were pushed for a model mirrored without optimizer")
             if self._synchronous:
-                self._pending.setdefault(function_id, {})[position] = (gradients, buffers)
+                update = (gradients, buffers, hyperparameters)
+                self._pending.setdefault(function_id, {})[position] = update
                 return True
             for done in [f for f in self._applied if f < finished_below]:
                 del self._applied[done]
             applied = self._applied.setdefault(function_id, set())
             if position in applied:
                 return False
-            self._apply(gradients, buffers)
+            self._apply(gradients, buffers, hyperparameters)
             applied.add(position)
             return True
 
     def commit(self, function_ids: Sequence[int]) -> None:
         """Apply the updates of one round of functions (synchronous mode): for each step
-        position, the mean of the functions' gradients at it, and the buffers of the first
-        function (in id order) that stepped there."""
+        position, the mean of the functions' gradients at it, with the buffers and
+        hyperparameters of the first function (in id order) that stepped there."""
         with self._lock:
             updates = [self._pending.pop(f) for f in sorted(function_ids) if f in self._pending]
             for position in sorted({p for update in updates for p in update}):
                 parts = [update[position] for update in updates if position in update]
-                keys = {key for gradients, _ in parts for key in gradients}
+                keys = {key for gradients, _, _ in parts for key in gradients}
                 mean = {
                     key: torch.stack(
-                        [g[key].to(self._shards[key].dtype) for g, _ in parts if key in g]
+                        [g[key].to(self._shards[key].dtype) for g, _, _ in parts if key in g]
                     ).mean(dim=0)
                     for key in keys
                 }
-                self._apply(mean, parts[0][1])
+                self._apply(mean, parts[0][1], parts[0][2])
 
     def _apply(
-        self, gradients: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor]
+        self,
+        gradients: Mapping[str, torch.Tensor],
+        buffers: Mapping[str, torch.Tensor],
+        hyperparameters: Sequence[Mapping[str, Any]],
     ) -> None:
         with torch.no_grad():
             for key, value in buffers.items():
                 self._shards[key].copy_(value)
         if gradients and self._optimizer is not None:
+            for group, index in zip(self._optimizer.param_groups, self._group_of, strict=True):
+                if index < len(hyperparameters):
+                    group.update({k: v for k, v in hyperparameters[index].items() if k != "params"})
             for key, gradient in gradients.items():
                 self._shards[key].grad = gradient.to(self._shards[key].dtype)
             self._optimizer.step()
@@ -213,8 +225,11 @@ def push(
     finished_below: int,
     gradients: dict[str, torch.Tensor],
     buffers: dict[str, torch.Tensor],
+    hyperparameters: list[dict[str, Any]],
 ) -> bool:
-    return _stores[model_id].push(worker, function_id, position, finished_below, gradients, buffers)
+    return _stores[model_id].push(
+        worker, function_id, position, finished_below, gradients, buffers, hyperparameters
+    )
 
 
 def fence(worker: str) -> None:

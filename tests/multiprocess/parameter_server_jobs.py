@@ -284,4 +284,76 @@ def counter(out: Path, fault: str, mode: str = "async", phase: str = "first") ->
         torch.save(record, out / f"chief-{phase}.pt")
 
 
-JOBS = (train_digits, synchronous_rounds, checkpoint_resume, counter)
+def digits_examples(context: mirrored.InputContext) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """fit's dataset function: this worker's shard of the digits (``digits_batches``)."""
+    return digits_batches(context)
+
+
+def halve_from_epoch_4(epoch: int, learning_rate: float) -> float:
+    return learning_rate / 2 if epoch == 4 else learning_rate
+
+
+def fit_digits(out: Path, data: str) -> None:
+    """``mirrored.Model`` on the strategy: compile, fit (with a learning-rate callback and
+    validation), evaluate, predict, save, load. ``data``: "function" (a dataset function) or
+    "arrays" (each worker takes every other example)."""
+    (x, y), (x_test, y_test) = digits()
+    with ParameterServerStrategy(
+        variable_partitioner=FixedShardsPartitioner(2), timeout_seconds=60
+    ) as strategy:
+        with strategy.scope():
+            model = mirrored.Model(make_model())
+            model.compile(
+                optimizer=torch.optim.Adam(model.parameters(), 3e-3),
+                loss=mirrored.losses.SparseCategoricalCrossentropy(from_logits=True),
+                metrics=["accuracy"],
+            )
+        inputs: dict[str, Any] = (
+            {"x": digits_examples} if data == "function" else {"x": x, "y": y, "batch_size": BATCH}
+        )
+        history = model.fit(
+            **inputs,
+            epochs=8,
+            steps_per_epoch=-(-len(x) // BATCH),
+            validation_data=(x_test, y_test),
+            callbacks=[mirrored.callbacks.LearningRateScheduler(halve_from_epoch_4)],
+            verbose=0,
+        )
+        evaluated = model.evaluate(x_test, y_test, return_dict=True, verbose=0)
+        predicted = model.predict(x_test, verbose=0)
+        model.save(out / "model.ckpt")
+        trained = {k: v.clone() for k, v in model.state_dict().items()}
+        model.fit(**inputs, epochs=1, steps_per_epoch=5, verbose=0)  # moves away from the save
+        moved = {k: v.clone() for k, v in model.state_dict().items()}
+        model.load(out / "model.ckpt")
+        errors = {}
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+        for case, arguments in {
+            "no steps_per_epoch": {"x": x, "y": y},
+            "BackupAndRestore": {
+                **inputs,
+                "steps_per_epoch": 2,
+                "callbacks": [mirrored.callbacks.BackupAndRestore(out / "backup")],
+            },
+            "a DataLoader": {"x": loader, "steps_per_epoch": 2},
+            "y with a dataset function": {"x": digits_examples, "y": y, "steps_per_epoch": 2},
+        }.items():
+            try:
+                model.fit(**arguments, epochs=1, verbose=0)
+            except (ValueError, TypeError) as error:
+                errors[case] = str(error)
+        torch.save(
+            {
+                "errors": errors,
+                "history": history.history,
+                "evaluated": evaluated,
+                "predicted_accuracy": float((predicted.argmax(1) == y_test).float().mean()),
+                "trained": trained,
+                "moved": moved,
+                "loaded": model.state_dict(),
+            },
+            out / "chief.pt",
+        )
+
+
+JOBS = (train_digits, synchronous_rounds, checkpoint_resume, counter, fit_digits)

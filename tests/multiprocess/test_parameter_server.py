@@ -98,3 +98,26 @@ def test_a_lost_coordinator_ends_every_other_task_with_an_error(tmp_path: Path) 
         assert worker.returncode == 1, worker.output
         assert "the coordinator (the chief task, 127.0.0.1:" in worker.output
         assert "is gone" in worker.output
+
+
+@pytest.mark.parametrize("data", ["function", "arrays"])
+def test_fit_evaluate_predict_save_and_load_on_parameter_servers(tmp_path: Path, data: str) -> None:
+    workers = run_workers("fit_digits", tmp_path, 5, cluster="ps:2:2", args=[data], timeout=240)
+    assert_all_succeeded(workers)
+    result = torch.load(tmp_path / "chief.pt", weights_only=True)
+    history = result["history"]
+    assert history["learning_rate"] == [3e-3] * 4 + [1.5e-3] * 4  # the callback reached the ps
+    assert history["loss"][-1] < history["loss"][0] / 4
+    assert history["val_accuracy"][-1] >= plain_digits_accuracy() - 0.02
+    assert result["evaluated"]["accuracy"] == pytest.approx(result["predicted_accuracy"])
+    assert result["evaluated"]["accuracy"] == pytest.approx(history["val_accuracy"][-1])
+    for name, value in result["trained"].items():
+        assert not torch.equal(result["moved"][name], value)
+        assert torch.equal(result["loaded"][name], value)
+    errors = result["errors"]
+    assert "needs steps_per_epoch" in errors["no steps_per_epoch"]
+    assert (
+        "BackupAndRestore does not run on a ParameterServerStrategy" in errors["BackupAndRestore"]
+    )
+    assert "x is a DataLoader: on a ParameterServerStrategy" in errors["a DataLoader"]
+    assert "y= with a dataset function" in errors["y with a dataset function"]

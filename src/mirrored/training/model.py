@@ -5,10 +5,15 @@ Written once against the Strategy contract (``scope``, ``mirror``, ``run``, ``re
 strategy, on ``MirroredStrategy`` and on the multi-worker strategy. Create the model inside
 ``strategy.scope()``; every global batch is split across the strategy's replicas, and fit on N
 replicas ends with the parameters fit on one device ends with.
+
+On a ``ParameterServerStrategy`` fit schedules its steps on the workers
+(``mirrored.training.parameter_server_fit``); evaluate and predict run on the coordinator's copy
+of the model, pulled from the ps tasks; ``save`` and ``load`` go through the coordinator.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import sys
 import warnings
@@ -19,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mirrored import checkpoint, context, rng_state
+from mirrored import checkpoint, context, parameter_server_checkpoint, rng_state
 from mirrored import losses as losses_module
 from mirrored import metrics as metrics_module
 from mirrored import optimizers as optimizers_module
@@ -29,6 +34,7 @@ from mirrored.callbacks.history import History
 from mirrored.callbacks.progbar_logger import ProgbarLogger
 from mirrored.input import global_batch_size_of
 from mirrored.mirror import MirroredModule
+from mirrored.strategy import Strategy, default_strategy
 from mirrored.training.data_adapter import DataAdapter, _is_array_structure
 from mirrored.training.loss_scale import LossScale
 from mirrored.training.steps import PRECISIONS, MetricSet, Steps
@@ -74,6 +80,7 @@ class Model:
         self._position: dict[str, Any] = {"epoch": 0, "step": 0, "consumed": 0}  # fit's place
         self._epoch_rng: dict[str, Any] | None = None
         self._resume: dict[str, Any] | None = None
+        self._coordinator: Any = None  # a ParameterServerStrategy's ClusterCoordinator
 
     # -- the torch side ----------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -85,7 +92,9 @@ class Model:
         return self.module.parameters(recurse)
 
     def state_dict(self) -> dict[str, Any]:
-        """The module's state dict (identical on every replica)."""
+        """The module's state dict (identical on every replica; pulled from the ps tasks on a
+        parameter-server strategy)."""
+        self._pull()
         return self.module.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -122,6 +131,28 @@ class Model:
         if self.optimizer is None:
             raise RuntimeError("the model is not compiled; call model.compile(...) first")
         return self.optimizer
+
+    @property
+    def _on_parameter_servers(self) -> bool:
+        return bool(getattr(self.strategy, "runs_on_parameter_servers", False))
+
+    @property
+    def _local_strategy(self) -> Strategy:
+        """Where evaluate and predict run: the strategy, or on a parameter-server strategy
+        the coordinator's own copy of the model (the default strategy)."""
+        return default_strategy() if self._on_parameter_servers else self.strategy
+
+    def _parameter_server_coordinator(self) -> Any:
+        if self._coordinator is None:
+            from mirrored.cluster_coordinator import ClusterCoordinator
+
+            self._coordinator = ClusterCoordinator(self.strategy)  # type: ignore[arg-type]
+        return self._coordinator
+
+    def _pull(self) -> None:
+        """On a parameter-server strategy, bring the ps tasks' parameters into the copy here."""
+        if self._on_parameter_servers and self._replicas is not None:
+            self._replicas.pull()
 
     def _mirrored_module(self) -> Any:
         if self._replicas is None:
@@ -186,7 +217,8 @@ class Model:
         replicas, mirrored_optimizer = self.strategy.mirror(
             self.module, torch_optimizer, sync_batch_norm=sync_batch_norm
         )
-        self.module = replicas.module if isinstance(replicas, MirroredModule) else replicas
+        if isinstance(replicas, MirroredModule) or self._on_parameter_servers:
+            self.module = replicas.module
         self._replicas, self._optimizer = replicas, mirrored_optimizer
         self._steps = Steps(
             module=replicas,
@@ -262,13 +294,13 @@ class Model:
     # -- running executions ------------------------------------------------------------------------
     def _executions(self, batches: Iterator[Any]) -> Iterator[list[Any]]:
         """Distributed batches, ``steps_per_execution`` at a time."""
-        distributed = iter(self.strategy.experimental_distribute_dataset(batches))
+        distributed = iter(self._local_strategy.experimental_distribute_dataset(batches))
         while group := list(itertools.islice(distributed, self._steps_per_execution)):
             yield group
 
     def _merge(self, state: Any) -> None:
         """Add the replicas' partial sums to the metrics (one host copy per execution)."""
-        total = self.strategy.reduce(ReduceOp.SUM, state, axis=None)
+        total = self._local_strategy.reduce(ReduceOp.SUM, state, axis=None)
         self._compiled().metrics.merge(total.cpu())
 
     def _logs(self, num_examples: int | None = None) -> dict[str, Any]:
@@ -293,27 +325,44 @@ class Model:
         validation_freq: int | Sequence[int] = 1,
         sample_weight: Any = None,
     ) -> History:
-        """Train for ``epochs`` epochs (Keras's arguments); returns the ``History``."""
+        """Train for ``epochs`` epochs (Keras's arguments); returns the ``History``.
+
+        On a ``ParameterServerStrategy``, ``x`` is arrays (each worker takes every n-th
+        example) or a ``dataset_fn(InputContext)`` that builds a worker's batches there, and
+        ``steps_per_epoch`` is required (``mirrored.training.parameter_server_fit``)."""
         steps = self._compiled()
         if self._in_fit:
             raise RuntimeError("fit() was called while fit() is running (from a callback?)")
         _positive_int("epochs", epochs)
         if not isinstance(initial_epoch, int) or initial_epoch < 0:
             raise ValueError(f"initial_epoch={initial_epoch!r}: expected an int >= 0")
-        data = DataAdapter(x, y, sample_weight, batch_size, shuffle, steps_per_epoch, "fit")
+        if steps_per_epoch is not None:
+            _positive_int("steps_per_epoch", steps_per_epoch)
         validation = self._validation_adapter(validation_data, batch_size)
         validate_at = self._validation_schedule(validation_freq)
         verbose = _resolve_verbose(verbose)
-        callback_list = self._callback_list(callbacks, verbose, with_history=True)
-        self._callbacks = list(callback_list.callbacks)
-        callback_list.set_params(
-            {"epochs": epochs, "steps": data.steps_per_epoch, "verbose": verbose}
-        )
-        self._in_fit = True
-        self.stop_training = False
+        if self._on_parameter_servers:
+            from mirrored.training import parameter_server_fit
+
+            return parameter_server_fit.fit(
+                self,
+                x,
+                y,
+                batch_size,
+                epochs,
+                verbose,
+                callbacks,
+                validation,
+                validate_at,
+                shuffle,
+                initial_epoch,
+                steps_per_epoch,
+                sample_weight,
+            )
+        data = DataAdapter(x, y, sample_weight, batch_size, shuffle, steps_per_epoch, "fit")
         self._resume = None
         self._position = {"epoch": initial_epoch, "step": 0, "consumed": 0}
-        try:
+        with self._fitting(callbacks, verbose, epochs, data.steps_per_epoch) as callback_list:
             callback_list.on_train_begin()
             first_epoch = initial_epoch
             resume, self._resume = self._resume, None
@@ -332,21 +381,47 @@ class Model:
                 if trained is None:  # a one-shot iterator ran out: no epoch to report
                     break
                 epoch_logs = trained
-                if validation is not None and validate_at(epoch):
-                    validation_logs = self._test_loop(validation, callback_list)
-                    epoch_logs.update({f"val_{k}": v for k, v in validation_logs.items()})
-                epoch_logs["learning_rate"] = self.learning_rate
                 self._position = {"epoch": epoch + 1, "step": 0, "consumed": data.consumed}
                 self._epoch_rng = None
-                callback_list.on_epoch_end(epoch, epoch_logs)
+                self._end_epoch(epoch, epoch_logs, validation, validate_at, callback_list)
                 if self.stop_training:
                     break
             callback_list.on_train_end(epoch_logs)
+        return self.history
+
+    @contextlib.contextmanager
+    def _fitting(
+        self, callbacks: Any, verbose: int, epochs: int, steps: int | None
+    ) -> Iterator[CallbackList]:
+        """A fit loop's callbacks, with the model marked as fitting until the loop ends however it
+        ends (every fit loop, whatever the strategy)."""
+        callback_list = self._callback_list(callbacks, verbose, with_history=True)
+        self._callbacks = list(callback_list.callbacks)
+        callback_list.set_params({"epochs": epochs, "steps": steps, "verbose": verbose})
+        self._in_fit = True
+        self.stop_training = False
+        try:
+            yield callback_list
         finally:
             self._in_fit = False
             self._callbacks = []
             self._set_training(False)
-        return self.history
+
+    def _end_epoch(
+        self,
+        epoch: int,
+        logs: dict[str, Any],
+        validation: DataAdapter | None,
+        validate_at: Callable[[int], bool],
+        callback_list: CallbackList,
+    ) -> None:
+        """Completes an epoch's logs (validation figures when due, the learning rate) and hands
+        them to the callbacks: the end of every fit loop, whatever the strategy."""
+        if validation is not None and validate_at(epoch):
+            validation_logs = self._test_loop(validation, callback_list)
+            logs.update({f"val_{k}": v for k, v in validation_logs.items()})
+        logs["learning_rate"] = self.learning_rate
+        callback_list.on_epoch_end(epoch, logs)
 
     def _train_epoch(
         self,
@@ -516,13 +591,14 @@ class Model:
         steps = self._compiled()
         was_training = self._in_fit
         steps.metrics.reset()
+        self._pull()
         self._set_training(False)
         callback_list.on_test_begin()
         step = 0
         try:
             for group in self._executions(data.epoch()):
                 callback_list.on_test_batch_begin(step)
-                self._merge(self.strategy.run(steps.test, args=(group,)))
+                self._merge(self._local_strategy.run(steps.test, args=(group,)))
                 step += len(group)
                 callback_list.on_test_batch_end(step - 1, self._logs())
         finally:
@@ -551,6 +627,7 @@ class Model:
         callback_list = self._callback_list(callbacks, verbose, with_history=False)
         callback_list.set_params({"epochs": 1, "steps": data.steps_per_epoch, "verbose": verbose})
         outputs: list[Any] = []
+        self._pull()
         was_training = bool(self.module.training)
         replicas.train(False)
         callback_list.on_predict_begin()
@@ -558,10 +635,12 @@ class Model:
             step = 0
             for group in self._executions(data.epoch()):
                 callback_list.on_predict_batch_begin(step)
-                per_batch = self.strategy.run(runner.predict, args=(group,))
+                per_batch = self._local_strategy.run(runner.predict, args=(group,))
                 for index in range(len(group)):
                     outputs.append(
-                        map_structure(lambda t: t.cpu(), self.strategy.gather(per_batch[index], 0))
+                        map_structure(
+                            lambda t: t.cpu(), self._local_strategy.gather(per_batch[index], 0)
+                        )
                     )
                 step += len(group)
                 callback_list.on_predict_batch_end(step - 1, {})
@@ -603,13 +682,33 @@ class Model:
 
     def save(self, filepath: str | Path) -> None:
         """Write the whole training state (``load`` restores it), atomically; only where the
-        strategy writes checkpoints (the chief)."""
+        strategy writes checkpoints (the chief). On a ``ParameterServerStrategy`` the file is
+        the coordinator's checkpoint of the ps tasks (``ClusterCoordinator.save``)."""
+        if self._on_parameter_servers:
+            steps = self._compiled()
+            scheduler = steps.lr_scheduler
+            self._parameter_server_coordinator().save(
+                filepath,
+                {
+                    "iterations": self._iterations,
+                    "lr_scheduler": None if scheduler is None else scheduler.state_dict(),
+                },
+            )
+            return
         self.strategy.save_on_chief(
             lambda: checkpoint.save({"format": _MODEL_FORMAT, **self.training_state()}, filepath)
         )
 
     def load(self, filepath: str | Path) -> None:
         """Restore a file written by ``save`` into this compiled model."""
+        if self._on_parameter_servers:
+            steps = self._compiled()
+            metadata = self._parameter_server_coordinator().restore(filepath)
+            self._iterations = int(metadata.get("iterations", 0))
+            if steps.lr_scheduler is not None and metadata.get("lr_scheduler") is not None:
+                steps.lr_scheduler.load_state_dict(metadata["lr_scheduler"])
+            self._pull()
+            return
         saved = checkpoint.load(filepath)
         if not isinstance(saved, dict) or saved.get("format") != _MODEL_FORMAT:
             raise ValueError(
@@ -622,14 +721,21 @@ class Model:
     def save_weights(self, filepath: str | Path) -> None:
         """Write the module's state dict (a plain ``torch.load``-able file), atomically; only
         where the strategy writes checkpoints (the chief)."""
+        self._pull()
         self.strategy.save_on_chief(lambda: checkpoint.save(self.module.state_dict(), filepath))
 
     def load_weights(self, filepath: str | Path) -> None:
-        """Load weights from ``save_weights`` or ``save`` files into every replica; a file that
-        does not fit the model raises and loads nothing."""
+        """Load weights from ``save_weights`` or ``save`` files (a parameter-server job's too)
+        into every replica; a file that does not fit the model raises and loads nothing."""
         saved = checkpoint.load(filepath)
         if isinstance(saved, dict) and saved.get("format") == _MODEL_FORMAT:
             saved = saved["model"]
+        elif isinstance(saved, dict) and saved.get("format") == parameter_server_checkpoint.FORMAT:
+            saved = saved["models"][0]["model"]
+        if self._on_parameter_servers:
+            self._parameter_server_coordinator().load_weights(self._mirrored_module(), saved)
+            self._pull()
+            return
         checkpoint.load_module_state(self._mirrored_module(), saved, repr(str(filepath)))
         self.strategy.check_same_on_workers(self.module.state_dict(), f"{str(filepath)!r}")
 
