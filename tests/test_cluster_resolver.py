@@ -345,6 +345,26 @@ def test_torchrun_variables():
     assert TorchrunClusterResolver(torchrun_env(RANK="0")).is_chief
 
 
+def test_torchrun_with_mirrored_num_ps_is_a_parameter_server_cluster():
+    tasks = [
+        TorchrunClusterResolver(torchrun_env(RANK=str(rank), MIRRORED_NUM_PS="1"))
+        for rank in range(4)
+    ]
+    assert [(r.task_type, r.task_id, r.rank) for r in tasks] == [
+        ("chief", 0, 0),
+        ("worker", 0, 1),
+        ("worker", 1, 2),
+        ("ps", 0, -1),
+    ]
+    assert all(
+        r.cluster_spec()
+        == {"chief": ["10.0.0.1:29500"], "worker": ["rank1", "rank2"], "ps": ["rank3"]}
+        for r in tasks
+    )
+    with pytest.raises(ValueError, match=r"MIRRORED_NUM_PS=3 with WORLD_SIZE=4: .* at least 5"):
+        TorchrunClusterResolver(torchrun_env(MIRRORED_NUM_PS="3"))
+
+
 def test_torchrun_local_world_size():
     assert TorchrunClusterResolver(torchrun_env(LOCAL_WORLD_SIZE="2")).local_world_size == 2
     assert TorchrunClusterResolver(torchrun_env()).local_world_size == 2  # LOCAL_RANK 1 + 1

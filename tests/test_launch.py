@@ -55,6 +55,41 @@ dist.destroy_process_group()
 """
 
 
+PS_JOB = """
+import json, sys
+import torch
+import torch.distributed.rpc as rpc
+from torch import nn
+import mirrored
+
+
+class Counter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.value = nn.Parameter(torch.zeros(3))
+
+    def forward(self):
+        return self.value.sum()
+
+
+def count_down(model, optimizer):
+    model().backward()
+    optimizer.step()
+    return rpc.get_worker_info().name
+
+
+with mirrored.ParameterServerStrategy(timeout_seconds=60) as strategy:  # only the chief goes on
+    coordinator = mirrored.ClusterCoordinator(strategy)
+    module = Counter()
+    model, optimizer = strategy.mirror(module, torch.optim.SGD(module.parameters(), lr=1.0))
+    runs = [coordinator.schedule(count_down, (model, optimizer)) for _ in range(10)]
+    coordinator.join()
+    model.pull()
+    with open(sys.argv[1], "w") as f:
+        json.dump({"value": module.value.tolist(), "ran_on": [r.fetch() for r in runs]}, f)
+"""
+
+
 def _read(out: Path, name: str) -> dict[tuple[int, int], Any]:
     """``{(rank, attempt): value}`` of the files the workers wrote."""
     found = {}
@@ -216,6 +251,19 @@ def test_a_failed_worker_restarts_the_group(tmp_path: Path, max_restarts: int) -
 
 
 @pytest.mark.timeout(120)
+def test_num_ps_launches_a_parameter_server_cluster(tmp_path: Path) -> None:
+    """4 processes with --num-ps 1: a chief, 2 workers, a ps task; 10 updates of -1 each."""
+    (tmp_path / "ps_job.py").write_text(PS_JOB)
+    result = tmp_path / "result.json"
+    flags = ["--nproc-per-node", "4", "--num-ps", "1", "ps_job.py", str(result)]
+    with _launcher(tmp_path, *flags) as proc:
+        assert proc.wait(timeout=90) == 0, _stderr(tmp_path)
+    written = json.loads(result.read_text())
+    assert written["value"] == [-10.0, -10.0, -10.0]
+    assert set(written["ran_on"]) <= {"worker0", "worker1"} and len(written["ran_on"]) == 10
+
+
+@pytest.mark.timeout(120)
 def test_a_sigkilled_worker_stops_the_others(tmp_path: Path) -> None:
     out = tmp_path / "out"
     with _launcher(tmp_path, "--nproc-per-node", "2", "worker.py", str(out), "hold") as proc:
@@ -261,6 +309,10 @@ def test_cli_launches_a_module_in_process(
             "--max-restarts 1 with --nnodes 2: a node whose workers are healthy",
         ),
         (["missing.py"], "script 'missing.py' not found"),
+        (
+            ["--nproc-per-node", "2", "--num-ps", "1", "worker.py"],
+            "--num-ps 1 with 2 process(es): a parameter-server cluster is a chief (rank 0)",
+        ),
         (["--master-addr", "no-such-host.invalid", "worker.py"], "--master-addr no-such-host"),
     ],
 )

@@ -23,6 +23,7 @@ import contextlib
 import itertools
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -134,8 +135,7 @@ class ClusterCoordinator:
         self._closing = False
         self._pauses = 0  # checkpoints under way: no function may start
         self._in_flight = 0  # functions a worker is running
-        self._live = set(strategy.cluster.workers)
-        self._clocks = dict.fromkeys(strategy.cluster.workers, 0)
+        self._datasets: list[tuple[int, Callable[[InputContext], Iterable[Any]]]] = []
         # Synchronous mode: the functions of each round not yet committed, the round that
         # schedule fills, and the last round committed.
         self._rounds: dict[int, list[int]] = {}
@@ -143,13 +143,15 @@ class ClusterCoordinator:
         self._committed = -1
         self._committing = False
         self._condition = threading.Condition()
-        strategy._coordinators.append(self)  # closed before the strategy leaves the RPC group
-        self._threads = [
-            threading.Thread(target=self._dispatch, args=(worker,), daemon=True, name=worker)
-            for worker in strategy.cluster.workers
-        ]
-        for thread in self._threads:
-            thread.start()
+        self._live: set[str] = set()  # the workers that take functions
+        self._clocks: dict[str, int] = {}  # functions each has run (max_staleness)
+        self._threads: list[threading.Thread] = []
+        self._no_worker_since: float | None = None
+        with strategy._membership:  # workers that rejoin from now on are welcomed here too
+            strategy._coordinators.append(self)  # closed before the strategy leaves RPC
+            with self._condition:
+                for worker in strategy.live_workers():
+                    self._add_worker(worker)
 
     # -- scheduling -------------------------------------------------------------------------------
     def schedule(
@@ -208,19 +210,28 @@ class ClusterCoordinator:
         """Build a dataset on every worker: ``dataset_fn(InputContext)``, where the context
         says which of the ``num_input_pipelines`` workers it is (shard by it); importable there."""
         dataset_id = next(self._dataset_ids)
-        workers = self.strategy.cluster.workers
-        futures = [
-            rpc.rpc_async(
-                worker,
-                parameter_server_worker.register_dataset,
-                (dataset_id, dataset_fn, InputContext(len(workers), index, len(workers))),
-                timeout=self.strategy.timeout_seconds,
-            )
-            for index, worker in enumerate(workers)
-        ]
-        for future in futures:
-            future.wait()
+        with self.strategy._membership:  # a worker that rejoins builds it too
+            futures = [
+                self._register(dataset_id, dataset_fn, worker)
+                for worker in self.strategy.live_workers()
+            ]
+            for future in futures:
+                future.wait()
+            self._datasets.append((dataset_id, dataset_fn))
         return PerWorkerDataset(dataset_id)
+
+    def _register(
+        self, dataset_id: int, dataset_fn: Callable[[InputContext], Iterable[Any]], worker: str
+    ) -> Any:
+        """Build a dataset on ``worker``, as the shard of its task (a future)."""
+        num_workers = self.strategy.num_workers
+        context = InputContext(num_workers, self.strategy._task_index(worker), num_workers)
+        return rpc.rpc_async(
+            worker,
+            parameter_server_worker.register_dataset,
+            (dataset_id, dataset_fn, context),
+            timeout=self.strategy.timeout_seconds,
+        )
 
     # -- checkpoints ------------------------------------------------------------------------------
     def save(self, path: str | os.PathLike[str], metadata: dict[str, Any] | None = None) -> Path:
@@ -335,6 +346,34 @@ class ClusterCoordinator:
                 self._pauses -= 1
                 self._condition.notify_all()
 
+    # -- workers --------------------------------------------------------------------------------
+    def _add_worker(self, worker: str) -> None:
+        """Start dispatching to ``worker`` (under the condition); a newcomer's clock starts at
+        the slowest live worker's, so that max_staleness neither holds the others back nor lets
+        it run ahead."""
+        self._clocks[worker] = min((self._clocks[w] for w in self._live), default=0)
+        self._live.add(worker)
+        self._no_worker_since = None
+        thread = threading.Thread(target=self._dispatch, args=(worker,), daemon=True, name=worker)
+        self._threads.append(thread)
+        thread.start()
+
+    def _welcome(self, worker: str) -> None:
+        """A restarted worker joins: it builds every per-worker dataset, then takes functions."""
+        for dataset_id, dataset_fn in self._datasets:
+            self._register(dataset_id, dataset_fn, worker).wait()
+        with self._condition:
+            if not self._closing and self._broken is None:
+                self._add_worker(worker)
+                self._condition.notify_all()
+
+    def _retire(self, worker: str) -> None:
+        """Take no more functions to ``worker``, and count no result it still returns (its
+        function runs again elsewhere): its task was restarted."""
+        with self._condition:
+            self._live.discard(worker)
+            self._condition.notify_all()
+
     # -- dispatch ---------------------------------------------------------------------------------
     def _dispatch(self, worker: str) -> None:
         while True:
@@ -342,10 +381,11 @@ class ClusterCoordinator:
                 self._condition.wait_for(
                     lambda: (
                         self._closing
+                        or worker not in self._live
                         or (self._queue and not self._pauses and self._may_start(worker))
                     )
                 )
-                if self._closing:
+                if self._closing or worker not in self._live:
                     return
                 function = self._queue.popleft()
                 finished_below = min(self._unfinished)
@@ -362,6 +402,10 @@ class ClusterCoordinator:
                 return
             with self._condition:
                 self._in_flight -= 1
+                if worker not in self._live:  # retired meanwhile: its pushes may be refused
+                    self._queue.appendleft(function)
+                    self._condition.notify_all()
+                    return
                 self._unfinished.discard(function.id)
                 self._clocks[worker] += 1
                 if status == "ok":
@@ -442,10 +486,7 @@ class ClusterCoordinator:
     def _give_up(self, worker: str, function: _Function, error: BaseException) -> None:
         lost: BaseException | None = None
         try:
-            for ps in self.strategy.cluster.ps:
-                rpc.rpc_sync(
-                    ps, shard_store.fence, (worker,), timeout=self.strategy.timeout_seconds
-                )
+            self.strategy._give_up(worker)
         except Exception as fence_error:
             lost = RuntimeError(
                 f"a ps task was lost ({fence_error}) while giving up {worker}; restart the job "
@@ -455,11 +496,30 @@ class ClusterCoordinator:
             self._in_flight -= 1
             self._live.discard(worker)
             self._queue.appendleft(function)  # another worker runs it again
-            if lost is None and not self._live:
-                lost = RuntimeError(f"every worker was lost (the last, {worker}: {error})")
             if lost is not None:
                 self._lose(lost)
+            elif not self._live:
+                self._await_a_worker(worker, error)
             self._condition.notify_all()
+
+    def _await_a_worker(self, last: str, error: BaseException) -> None:
+        """Every worker is lost: the functions wait for one to rejoin, for the strategy's
+        timeout at most; then the job fails."""
+        since = self._no_worker_since = time.monotonic()
+
+        def expire() -> None:
+            with self._condition:
+                if self._no_worker_since == since and not self._closing:
+                    self._lose(
+                        RuntimeError(
+                            f"every worker was lost (the last, {last}: {error}) and none rejoined "
+                            f"within {self.strategy.timeout_seconds:g} s"
+                        )
+                    )
+
+        timer = threading.Timer(self.strategy.timeout_seconds, expire)
+        timer.daemon = True
+        timer.start()
 
     def _lose(self, error: BaseException) -> None:
         """The job cannot go on (a ps task or every worker is lost): fail what is queued."""

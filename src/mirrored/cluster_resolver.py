@@ -203,6 +203,12 @@ class TorchrunClusterResolver(ClusterResolver):
     ``TORCHELASTIC_USE_AGENT_STORE`` and ``TORCHELASTIC_RESTART_COUNT``. Every process is a
     ``worker`` with ``task_id == rank``: worker 0 is the chief, as in a TensorFlow cluster without
     a chief job. ``cluster_spec()`` is empty: torchrun tells a process only rank 0's address.
+
+    With ``MIRRORED_NUM_PS=P`` (``mirrored launch --num-ps P``) the processes form a
+    parameter-server cluster instead: rank 0 is the ``chief``, the last P ranks are the ``ps``
+    tasks and the ranks between are the ``worker`` tasks. ``cluster_spec()`` then gives the
+    chief's address (rank 0's) and names every other task by its rank (``"rank3"``), since no
+    process knows another's address.
     """
 
     def __init__(self, environ: Mapping[str, str] | None = None) -> None:
@@ -253,10 +259,16 @@ class TorchrunClusterResolver(ClusterResolver):
                 f"TORCHELASTIC_RESTART_COUNT={env['TORCHELASTIC_RESTART_COUNT']!r}: expected an "
                 "int >= 0 (torchrun counts restarts from 0)"
             )
+        task_type, task_id, spec = "worker", rank, None
+        num_ps = _env_int(env, "MIRRORED_NUM_PS", default=0)
+        if num_ps:
+            task_type, task_id, spec = _launched_ps_task(
+                rank, world_size, num_ps, f"{master_addr}:{master_port}"
+            )
         super().__init__(
-            task_type="worker",
-            task_id=rank,
-            rank=rank,
+            task_type=task_type,
+            task_id=task_id,
+            rank=-1 if task_type == "ps" else rank,
             world_size=world_size,
             master_addr=master_addr,
             master_port=master_port,
@@ -265,7 +277,32 @@ class TorchrunClusterResolver(ClusterResolver):
             # torch.distributed.elastic compares with str(True) the same way.
             agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
             restart_count=restart_count,
+            cluster_spec=spec,
         )
+
+
+def _launched_ps_task(
+    rank: int, world_size: int, num_ps: int, chief_address: str
+) -> tuple[str, int, dict[str, list[str]]]:
+    """The task of ``rank`` in a launched parameter-server cluster, and the cluster: the chief
+    (rank 0), the workers, then the ``num_ps`` ps tasks."""
+    num_workers = world_size - 1 - num_ps
+    if num_ps < 0 or num_workers < 1:
+        raise ValueError(
+            f"MIRRORED_NUM_PS={num_ps} with WORLD_SIZE={world_size}: a parameter-server cluster "
+            f"is a chief, at least one worker and the ps tasks; launch at least {num_ps + 2} "
+            "processes (mirrored launch --nproc-per-node N --num-ps P)"
+        )
+    spec = {
+        "chief": [chief_address],
+        "worker": [f"rank{r}" for r in range(1, 1 + num_workers)],
+        "ps": [f"rank{r}" for r in range(1 + num_workers, world_size)],
+    }
+    if rank == 0:
+        return "chief", 0, spec
+    if rank <= num_workers:
+        return "worker", rank - 1, spec
+    return "ps", rank - 1 - num_workers, spec
 
 
 class LocalClusterResolver(ClusterResolver):

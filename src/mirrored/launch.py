@@ -2,6 +2,7 @@
 
     mirrored launch --nproc-per-node 2 train.py --epochs 3
     mirrored launch --nnodes 2 --node-rank R --master-addr 10.0.0.1 --master-port 29500 train.py
+    mirrored launch --nproc-per-node 4 --num-ps 1 train_ps.py   # chief, 2 workers, 1 ps task
 
 Each worker gets torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT, ...; OMP_NUM_THREADS, unless set, is the
@@ -93,6 +94,7 @@ class LaunchPlan:
     master_port: int = 0  # 0: a free port on master_addr (one node only)
     max_restarts: int = 0
     monitor_interval: float = 0.1  # seconds between the agent's checks on its workers
+    num_ps: int = 0  # > 0: a parameter-server cluster (MIRRORED_NUM_PS), its last ranks the ps
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1:
@@ -129,6 +131,13 @@ class LaunchPlan:
                 "workers are healthy would not know to restart with the failed one; pass "
                 "--max-restarts 0 and let the scheduler rerun the job (BackupAndRestore resumes "
                 "it), or use torchrun --rdzv-backend c10d, whose store listens on every interface"
+            )
+        processes = self.nnodes * self.nproc_per_node
+        if self.num_ps < 0 or (self.num_ps and processes < self.num_ps + 2):
+            raise ValueError(
+                f"--num-ps {self.num_ps} with {processes} process(es): a parameter-server "
+                "cluster is a chief (rank 0), at least one worker and the ps tasks (the last "
+                f"ranks); launch at least {self.num_ps + 2} processes, or pass --num-ps 0"
             )
         if not self.monitor_interval > 0:
             raise ValueError(
@@ -300,6 +309,8 @@ def launch(plan: LaunchPlan) -> int:
         # torchrun sets 1; a share of the cores each keeps CPU workers from competing or idling.
         if plan.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
             os.environ["OMP_NUM_THREADS"] = str(max(1, _num_cpus() // plan.nproc_per_node))
+        if plan.num_ps:
+            os.environ["MIRRORED_NUM_PS"] = str(plan.num_ps)  # read by TorchrunClusterResolver
         loopback = loopback_interface()
         if loopback and "GLOO_SOCKET_IFNAME" not in os.environ and _is_loopback(plan.master_addr):
             os.environ["GLOO_SOCKET_IFNAME"] = loopback
@@ -365,6 +376,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="seconds between checks on the workers (0.1)",
     )
+    flag(
+        "--num-ps",
+        type=int,
+        default=0,
+        metavar="P",
+        help="a ParameterServerStrategy cluster: rank 0 the chief, the last P ranks ps tasks (0)",
+    )
     flag("-m", dest="module", action="store_true", help="run SCRIPT as a module, like python -m")
     flag("script", help="the Python script (or, with -m, module) to run")
     flag("script_args", nargs=argparse.REMAINDER, help="the script's own arguments")
@@ -384,6 +402,7 @@ def run_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
             master_port=args.master_port,
             max_restarts=args.max_restarts,
             monitor_interval=args.monitor_interval,
+            num_ps=args.num_ps,
         )
     except ValueError as error:
         parser.error(str(error))

@@ -2,9 +2,12 @@
 
 TensorFlow's cluster: a ``chief`` (the coordinator, which runs the training program), ``worker``
 tasks (which run the functions the coordinator schedules) and ``ps`` tasks (which hold the
-parameters and their optimizer state), from ``TF_CONFIG``. Every task runs the same script; in a
-worker or ps task the constructor serves the coordinator, then ends the process when the
-coordinator closes the strategy (or with an error when the coordinator is lost).
+parameters and their optimizer state), from ``TF_CONFIG`` or ``mirrored launch --num-ps P``.
+Every task runs the same script; in a worker or ps task the constructor serves the coordinator,
+then ends the process when the coordinator closes the strategy (or with an error when the
+coordinator is lost). A worker task started again after it was lost rejoins the job as a new
+incarnation of itself (``worker1_2``): the chief gives up the lost one on every ps task, admits
+the new one (``mirrored.rpc_cluster``), and gives it every model and per-worker dataset.
 
 On the coordinator, ``mirror(model, optimizer)`` places the model's parameters and buffers on the
 ps tasks (whole, or cut by a partitioner: ``mirrored.partitioners``) with an optimizer of the same
@@ -23,8 +26,9 @@ import contextlib
 import datetime
 import itertools
 import threading
+import warnings
 from collections.abc import Callable, Iterator
-from typing import Any, overload
+from typing import TYPE_CHECKING, Any, overload
 
 import torch
 import torch.distributed as dist
@@ -36,7 +40,10 @@ from mirrored.cluster_resolver import ClusterResolver, resolve_cluster
 from mirrored.parameter_server_checkpoint import MirroredModel
 from mirrored.parameter_server_worker import shard_rows
 from mirrored.partitioners import Partitioner, plan_shards
-from mirrored.rpc_cluster import RpcCluster, start_rpc, stop_rpc
+from mirrored.rpc_cluster import Admissions, Member, RpcCluster, forget_member, start_rpc, stop_rpc
+
+if TYPE_CHECKING:
+    from mirrored.cluster_coordinator import ClusterCoordinator
 
 __all__ = ["ParameterServerModule", "ParameterServerOptimizer", "ParameterServerStrategy"]
 
@@ -97,18 +104,27 @@ class ParameterServerStrategy:
         self.max_staleness = max_staleness
         self.synchronous = bool(synchronous)
         self.timeout_seconds = timeout_seconds or _DEFAULT_TIMEOUT_SECONDS
-        name = (
+        task = (
             "chief" if resolver.task_type == "chief" else f"{resolver.task_type}{resolver.task_id}"
         )
         host, port = resolver.master_addr, resolver.master_port
-        self._store = start_rpc(name, self.cluster, host, port, self.timeout_seconds)
-        if name != self.cluster.chief:
-            _serve(name, host, port)
+        member, self._store = start_rpc(
+            task, self.cluster, host, port, self.timeout_seconds, resolver.agent_store
+        )
+        if self._store is None:  # a worker or ps task
+            _serve(member.name, host, port)
             raise SystemExit(0)
         self._model_ids = itertools.count()
         self.models: list[MirroredModel] = []  # in the order mirror() made them
-        self._coordinators: list[Any] = []  # ClusterCoordinators of this strategy
+        self._coordinators: list[ClusterCoordinator] = []  # ClusterCoordinators of this strategy
+        # Each worker task's latest incarnation, and the incarnations given up.
+        self._workers = {w: Member(w, w, self.cluster.rank(w)) for w in self.cluster.workers}
+        self._lost: set[str] = set()
+        self._membership = threading.RLock()  # held while a model or worker joins the job
         self._closed = False
+        self._admissions = Admissions(
+            self._store.host, self._store.port, self.timeout_seconds, self._prepare, self._welcome
+        )
 
     #: ``mirrored.Model`` trains through a ``ClusterCoordinator`` on this strategy.
     runs_on_parameter_servers = True
@@ -208,24 +224,82 @@ class ParameterServerStrategy:
                     timeout=self.timeout_seconds,
                 )
             )
-        futures += [
-            rpc.rpc_async(
-                worker,
-                parameter_server_worker.register_model,
-                (model_id, module, shards, self.timeout_seconds),
-                timeout=self.timeout_seconds,
-            )
-            for worker in self.cluster.workers
-        ]
-        for future in futures:
-            future.wait()
+        mirrored = MirroredModel(model_id, module, tuple(shards), param_groups)
+        with self._membership:  # a worker admitted meanwhile gets this model too
+            futures += [self._register(mirrored, worker) for worker in self.live_workers()]
+            for future in futures:
+                future.wait()
+            self.models.append(mirrored)
         local = parameter_server_worker.WorkerModel(model_id, module, shards, self.timeout_seconds)
-        self.models.append(MirroredModel(model_id, module, tuple(shards), param_groups))
         handle = ParameterServerModule(model_id, local)
         if optimizer is None:
             return handle
         # The optimizer handle's hyperparameters are the very dicts the checkpoints read.
         return handle, ParameterServerOptimizer(model_id, [h for _, h in param_groups])
+
+    def _register(self, model: MirroredModel, worker: str) -> Any:
+        """Give ``worker`` its copy of ``model`` (a future)."""
+        return rpc.rpc_async(
+            worker,
+            parameter_server_worker.register_model,
+            (model.model_id, model.module, list(model.shards), self.timeout_seconds),
+            timeout=self.timeout_seconds,
+        )
+
+    # -- workers ----------------------------------------------------------------------------------
+    def live_workers(self) -> list[str]:
+        """The RPC names of the workers taking part now, in task order (``worker1_2`` is the
+        second incarnation of ``worker1``, restarted after it was lost)."""
+        with self._membership:
+            return [m.name for m in self._workers.values() if m.name not in self._lost]
+
+    def _task_index(self, worker: str) -> int:
+        """Which worker task ``worker`` (an incarnation's name) runs: its dataset shard."""
+        return next(
+            index
+            for index, task in enumerate(self.cluster.workers)
+            if self._workers[task].name == worker
+        )
+
+    def _give_up(self, worker: str) -> None:
+        """No push of ``worker`` counts from now on: every ps task fences it (a push under way
+        finishes first). Raises when a ps task does not answer."""
+        for ps in self.cluster.ps:
+            rpc.rpc_sync(ps, shard_store.fence, (worker,), timeout=self.timeout_seconds)
+        with self._membership:
+            self._lost.add(worker)
+
+    def _prepare(self, member: Member) -> str | None:
+        """A restarted worker asks to rejoin: give up its lost incarnation everywhere, then let
+        it join the RPC group (``Admissions``); or say why it may not."""
+        if self._closed:
+            return "the job has ended"
+        with self._membership:
+            lost = self._workers[member.task]
+            for coordinator in self._coordinators:
+                coordinator._retire(lost.name)  # nothing it still returns counts
+            self._give_up(lost.name)
+            forget_member(lost)
+            self._workers[member.task] = member
+        return None
+
+    def _welcome(self, member: Member) -> None:
+        """A restarted worker has joined: give it every model and per-worker dataset, then
+        functions to run."""
+        with self._membership:
+            try:
+                for model in self.models:
+                    self._register(model, member.name).wait()
+                for coordinator in self._coordinators:
+                    coordinator._welcome(member.name)
+            except Exception as error:  # lost again: its next restart asks again
+                warnings.warn(
+                    f"{member.task} rejoined as {member.name} but was lost again before it could "
+                    f"take part ({error})",
+                    RuntimeWarning,
+                    stacklevel=1,
+                )
+                self._lost.add(member.name)
 
     # -- lifetime ---------------------------------------------------------------------------------
     def close(self) -> None:
@@ -234,11 +308,12 @@ class ParameterServerStrategy:
         if self._closed:
             return
         self._closed = True
+        self._admissions.stop()
         for coordinator in self._coordinators:
             coordinator.close()
         futures = [
             rpc.rpc_async(task, _stop, timeout=self.timeout_seconds)
-            for task in (*self.cluster.workers, *self.cluster.ps)
+            for task in (*self.live_workers(), *self.cluster.ps)
         ]
         for future in futures:
             with contextlib.suppress(RuntimeError):  # a task already lost: nothing to stop

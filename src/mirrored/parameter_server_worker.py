@@ -67,8 +67,9 @@ def _wait_all(futures: list[tuple[str, Any]]) -> list[Any]:
 
 class WorkerModel(nn.Module):
     """A mirrored model as a scheduled function sees it: this worker's copy, holding the ps
-    tasks' parameters as of the function's start (pulled when the function starts, if it is
-    among the function's arguments, else at its first forward, e.g. inside a dataclass)."""
+    tasks' parameters as of the function's start and no gradients (pulled when the function
+    starts, if it is among the function's arguments, else at its first forward, e.g. inside a
+    dataclass)."""
 
     def __init__(
         self, model_id: int, module: nn.Module, shards: list[ShardSpec], timeout_seconds: float
@@ -86,11 +87,15 @@ class WorkerModel(nn.Module):
         return self.module(*args, **kwargs)
 
     def pull_for_function(self) -> None:
-        """Pull, once per scheduled function (a no-op outside one)."""
+        """Pull, once per scheduled function (a no-op outside one), and drop the gradients an
+        earlier function left here: each function starts from the ps tasks' values alone, so
+        that one run again on another worker computes the same update."""
         running = getattr(_running, "function", None)
         if running is not None and self._model_id not in running.pulled:
             running.pulled.add(self._model_id)
             self.pull()
+            for parameter in self._parameters_by_name.values():
+                parameter.grad = None
 
     def pull(self) -> None:
         """Copy the ps tasks' current values into this worker's module."""

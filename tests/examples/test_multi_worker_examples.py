@@ -8,7 +8,6 @@ example's own flags (which build a TF_CONFIG), by TF_CONFIG or by torchrun's var
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,6 +21,7 @@ from tests.multiprocess.spawn import (
     Worker,
     assert_all_succeeded,
     free_port,
+    start_process,
     wait_workers,
     worker_env,
 )
@@ -41,18 +41,7 @@ def _run(
 ) -> list[Worker]:
     """``python PROGRAM ARGS[i]`` in process i with ``envs[i]``; all killed after 150 s."""
     workers = [
-        Worker(
-            rank,
-            subprocess.Popen(
-                [sys.executable, *program, *worker_args],
-                cwd=REPO,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                start_new_session=True,
-            ),
-        )
+        start_process([sys.executable, *program, *worker_args], env, rank)
         for rank, (worker_args, env) in enumerate(zip(args, envs, strict=True))
     ]
     return wait_workers(workers, timeout=150)

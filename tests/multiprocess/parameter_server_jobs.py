@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -211,6 +212,23 @@ class Counter(nn.Module):
         return self.value.sum()
 
 
+@contextlib.contextmanager
+def counter_job(
+    mode: str,
+) -> Iterator[tuple[ClusterCoordinator, Counter, Any, Any]]:
+    """The strategy of the counting jobs ("async" or "sync"; 2 shards, 30 s timeouts), its
+    coordinator, and a ``Counter`` mirrored with SGD at lr 1."""
+    with ParameterServerStrategy(
+        variable_partitioner=FixedShardsPartitioner(2),
+        synchronous=mode == "sync",
+        timeout_seconds=30,
+    ) as strategy:
+        coordinator = ClusterCoordinator(strategy)
+        module = Counter()
+        model, optimizer = strategy.mirror(module, torch.optim.SGD(module.parameters(), lr=1.0))
+        yield coordinator, module, model, optimizer
+
+
 _functions_run = 0  # on a worker: how many count_down calls it has run
 
 
@@ -252,14 +270,7 @@ def counter(out: Path, fault: str, mode: str = "async", phase: str = "first") ->
     kills ps1: the next join fails; phase "resume" restores that checkpoint in new processes
     and runs the other 8), "chief" (the chief dies after 4 functions)."""
     saved = out / "counter.ckpt"
-    with ParameterServerStrategy(
-        variable_partitioner=FixedShardsPartitioner(2),
-        synchronous=mode == "sync",
-        timeout_seconds=30,
-    ) as strategy:
-        coordinator = ClusterCoordinator(strategy)
-        module = Counter()
-        model, optimizer = strategy.mirror(module, torch.optim.SGD(module.parameters(), lr=1.0))
+    with counter_job(mode) as (coordinator, module, model, optimizer):
         record: dict[str, Any] = {}
         runs = []
         if phase == "resume":
@@ -282,6 +293,51 @@ def counter(out: Path, fault: str, mode: str = "async", phase: str = "first") ->
             record["value"] = module.value.detach().clone()
             record["ran_on"] = [run.fetch() for run in runs]
         torch.save(record, out / f"chief-{phase}.pt")
+
+
+def task_index(context: mirrored.InputContext) -> list[int]:
+    """A per-worker dataset that says which worker task built it."""
+    return [context.input_pipeline_id]
+
+
+def count_down_and_report(model: nn.Module, optimizer: Any, shards: Any) -> tuple[str, int]:
+    """``count_down`` with worker1 dying mid-function; returns the worker and its shard."""
+    return count_down(model, optimizer, "worker"), next(shards)
+
+
+def rejoin(out: Path, mode: str) -> None:
+    """A chief, 2 workers and 2 ps count down with functions of 2 updates, two at a time,
+    until worker1, killed by its second function between its pushes to ps0 and ps1, has been
+    restarted by the test and run one as ``worker1_2`` (with its task's dataset shard)."""
+    with counter_job(mode) as (coordinator, module, model, optimizer):
+        shards = iter(coordinator.create_per_worker_dataset(task_index))
+        ran_on: list[tuple[str, int]] = []
+        deadline = time.monotonic() + 60
+        while ("worker1_2", 1) not in ran_on and time.monotonic() < deadline:
+            pair = [
+                coordinator.schedule(count_down_and_report, (model, optimizer, shards))
+                for _ in range(2)
+            ]
+            ran_on += coordinator.fetch(pair)
+            time.sleep(0.05)
+        coordinator.join()
+        model.pull()
+        torch.save(
+            {
+                "value": module.value.detach().clone(),
+                "ran_on": ran_on,
+                "live": coordinator.strategy.live_workers(),
+            },
+            out / "chief-first.pt",
+        )
+
+
+def missing_tasks(out: Path) -> None:
+    """The chief of a cluster whose other tasks never start: it must fail, naming them."""
+    try:
+        ParameterServerStrategy(timeout_seconds=3)
+    except TimeoutError as error:
+        torch.save({"error": str(error)}, out / "chief-first.pt")
 
 
 def digits_examples(context: mirrored.InputContext) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -356,4 +412,12 @@ def fit_digits(out: Path, data: str) -> None:
         )
 
 
-JOBS = (train_digits, synchronous_rounds, checkpoint_resume, counter, fit_digits)
+JOBS = (
+    train_digits,
+    synchronous_rounds,
+    checkpoint_resume,
+    counter,
+    rejoin,
+    missing_tasks,
+    fit_digits,
+)

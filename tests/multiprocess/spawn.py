@@ -25,6 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 class Worker:
     rank: int
     process: subprocess.Popen[str]
+    env: dict[str, str]
     output: str = ""
 
     @property
@@ -87,21 +88,36 @@ def start_workers(
     env: dict[int, dict[str, str]] | None = None,
 ) -> list[Worker]:
     port = free_port()
-    workers = []
-    for rank in range(num_workers):
-        process = subprocess.Popen(
-            [sys.executable, "-m", "tests.multiprocess.jobs", job, str(out), *args],
-            cwd=REPO,
-            env=worker_env(
-                rank, num_workers, port, logical_devices, cluster, (env or {}).get(rank)
-            ),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
+    command = [sys.executable, "-m", "tests.multiprocess.jobs", job, str(out), *args]
+    return [
+        start_process(
+            command,
+            worker_env(rank, num_workers, port, logical_devices, cluster, (env or {}).get(rank)),
+            rank,
         )
-        workers.append(Worker(rank, process))
-    return workers
+        for rank in range(num_workers)
+    ]
+
+
+def restart_worker(worker: Worker) -> Worker:
+    """Start ``worker``'s program again, the same command with the same environment (the same
+    TF_CONFIG task), as a launcher restarts a failed process."""
+    return start_process(list(worker.process.args), worker.env, worker.rank)  # type: ignore[arg-type]
+
+
+def start_process(command: list[str], env: dict[str, str], rank: int = 0) -> Worker:
+    """``command`` in the repository with ``env``, its output captured, in its own session
+    (so that ``kill_workers`` kills all it starts)."""
+    process = subprocess.Popen(
+        command,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    return Worker(rank, process, env)
 
 
 def wait_workers(workers: Sequence[Worker], timeout: float) -> list[Worker]:

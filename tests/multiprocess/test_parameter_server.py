@@ -8,7 +8,15 @@ import pytest
 import torch
 
 from tests.multiprocess.parameter_server_jobs import make_model, plain_digits_accuracy, plain_rounds
-from tests.multiprocess.spawn import Worker, assert_all_succeeded, run_workers
+from tests.multiprocess.spawn import (
+    Worker,
+    assert_all_succeeded,
+    kill_workers,
+    restart_worker,
+    run_workers,
+    start_workers,
+    wait_workers,
+)
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -80,6 +88,31 @@ def test_a_killed_worker_s_function_runs_again_and_every_update_counts_once(
     assert result["ran_on"].count("worker0") == 11
 
 
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_restarted_worker_rejoins_and_no_update_is_lost_or_applied_twice(
+    tmp_path: Path, mode: str
+) -> None:
+    """worker1 dies between its pushes to ps0 and ps1; the test restarts it with the same
+    TF_CONFIG task; it rejoins as worker1_2 and runs functions on its task's dataset shard.
+    The functions run in pairs. Asynchronous: every function takes 2 from each row;
+    synchronous: every round of 2 functions (a pair) takes 2."""
+    workers = start_workers("rejoin", tmp_path, 5, cluster="ps:2:2", args=[mode])
+    try:
+        workers[WORKER1].process.wait(timeout=90)
+        assert workers[WORKER1].returncode == -9, workers[WORKER1].process.communicate()[0]
+        workers.append(restart_worker(workers[WORKER1]))
+    finally:
+        wait_workers(workers, timeout=120)
+    assert _exits(workers) == [0, 0, -9, 0, 0, 0], "\n".join(w.output for w in workers)
+    result = torch.load(tmp_path / "chief-first.pt", weights_only=True)
+    functions = len(result["ran_on"])
+    per_function = 2.0 if mode == "async" else 1.0
+    assert torch.equal(result["value"], torch.full((4,), -per_function * functions))
+    assert ("worker1", 1) in result["ran_on"] and ("worker1_2", 1) in result["ran_on"]
+    assert {shard for name, shard in result["ran_on"] if name == "worker0"} == {0}
+    assert result["live"] == ["worker0", "worker1_2"]
+
+
 def test_a_lost_ps_fails_the_job_clearly_and_its_last_checkpoint_resumes(tmp_path: Path) -> None:
     workers = run_workers("counter", tmp_path, 5, cluster="ps:2:2", args=["ps"])
     assert _exits(workers) == [0, 0, 0, 0, -9], "\n".join(w.output for w in workers)
@@ -89,6 +122,14 @@ def test_a_lost_ps_fails_the_job_clearly_and_its_last_checkpoint_resumes(tmp_pat
     assert_all_succeeded(resumed)
     result = torch.load(tmp_path / "chief-resume.pt", weights_only=True)
     assert torch.equal(result["value"], torch.full((4,), -24.0))  # 4 before the save, 8 after
+
+
+def test_the_chief_names_the_tasks_that_never_joined(tmp_path: Path) -> None:
+    chief_only = start_workers("missing_tasks", tmp_path, 5, cluster="ps:2:2")
+    kill_workers(chief_only[1:])
+    assert_all_succeeded(wait_workers(chief_only[:1], timeout=60))
+    error = torch.load(tmp_path / "chief-first.pt", weights_only=True)["error"]
+    assert "task(s) worker0, worker1, ps0, ps1 did not join the cluster within 3 s" in error
 
 
 def test_a_lost_coordinator_ends_every_other_task_with_an_error(tmp_path: Path) -> None:

@@ -14,7 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.multiprocess.spawn import REPO, assert_all_succeeded, run_workers, worker_env
+from tests.multiprocess.spawn import (
+    REPO,
+    assert_all_succeeded,
+    run_workers,
+    start_process,
+    worker_env,
+)
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -25,15 +31,7 @@ def _launch(out: Path, backup_dir: Path) -> subprocess.Popen[str]:
         env.pop(name)
     command = [sys.executable, "-m", "mirrored.launch", "--nproc-per-node", "2"]
     command += ["--max-restarts", "3", str(REPO / "tests" / "multiprocess" / "jobs.py")]
-    return subprocess.Popen(
-        [*command, "backup", str(out), str(backup_dir)],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    return start_process([*command, "backup", str(out), str(backup_dir)], env).process
 
 
 def _pid_once_started(marker: Path, launcher: subprocess.Popen[str]) -> int:
