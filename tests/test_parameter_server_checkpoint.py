@@ -110,3 +110,31 @@ def test_the_hyperparameters_saved_are_the_handle_s_current_ones_and_restore_int
     model.param_groups[1][1]["lr"] = 0.5
     load_hyperparameters(model, saved)
     assert model.param_groups[1][1]["lr"] == 0.003
+
+
+class _Tied(nn.Module):
+    """An output layer that shares its weight with the embedding (as BERT's decoder does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(6, 4)
+        self.proj = nn.Linear(4, 4)
+        self.out = nn.Linear(4, 6, bias=False)
+        self.out.weight = self.embed.weight
+
+
+def test_tied_weights_are_held_once_and_saved_under_every_name() -> None:
+    model, stores = _mirror(_Tied(), 2, FixedShardsPartitioner(2))
+    assert {s.name for s in model.shards} == {"embed.weight", "proj.weight", "proj.bias"}
+    _train(model, stores, 2)
+    saved = gather(model, [store.state_dict() for store in stores])
+    assert saved["model"].keys() == _Tied().state_dict().keys()
+    assert torch.equal(saved["model"]["out.weight"], saved["model"]["embed.weight"])
+    assert not torch.equal(saved["model"]["embed.weight"], _Tied().embed.weight)  # trained
+    plain = _Tied()
+    plain.load_state_dict(saved["model"])
+    for store, state in zip(stores, scatter(model, saved, 2), strict=True):
+        store.load_state_dict(state)
+    again = gather(model, [store.state_dict() for store in stores])
+    assert all(torch.equal(again["model"][k], v) for k, v in saved["model"].items())

@@ -22,9 +22,9 @@ import collections
 import contextlib
 import itertools
 import os
+import pickle
 import threading
-import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,7 @@ import torch.distributed.rpc as rpc
 from mirrored import checkpoint, parameter_server_checkpoint, parameter_server_worker, shard_store
 from mirrored.input import InputContext
 from mirrored.parameter_server import ParameterServerStrategy
+from mirrored.rpc_cluster import Member
 from mirrored.values import map_structure
 
 __all__ = [
@@ -85,8 +86,7 @@ class RemoteValue:
 class _Function:
     id: int
     fn: Callable[..., Any]
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
+    call: bytes  # (fn, args, kwargs) pickled when scheduled: what a worker runs
     round: int  # synchronous mode's round (0 otherwise)
     value: RemoteValue = field(default_factory=RemoteValue)
 
@@ -122,11 +122,20 @@ class PerWorkerDataset:
 
 
 class ClusterCoordinator:
-    """Schedules functions on the workers of ``strategy`` (created on the chief)."""
+    """Schedules functions on the workers of ``strategy`` (created on the chief). A strategy has
+    one coordinator, as in TensorFlow: ``ClusterCoordinator(strategy)`` returns the one it has
+    unless that one was closed."""
+
+    def __new__(cls, strategy: ParameterServerStrategy) -> ClusterCoordinator:
+        existing = strategy._coordinator
+        if existing is not None and not existing._closing:
+            return existing
+        return super().__new__(cls)
 
     def __init__(self, strategy: ParameterServerStrategy) -> None:
+        if strategy._coordinator is self:
+            return
         self.strategy = strategy
-        self._ids = itertools.count()
         self._dataset_ids = itertools.count()
         self._queue: collections.deque[_Function] = collections.deque()
         self._unfinished: set[int] = set()
@@ -146,12 +155,12 @@ class ClusterCoordinator:
         self._live: set[str] = set()  # the workers that take functions
         self._clocks: dict[str, int] = {}  # functions each has run (max_staleness)
         self._threads: list[threading.Thread] = []
-        self._no_worker_since: float | None = None
-        with strategy._membership:  # workers that rejoin from now on are welcomed here too
-            strategy._coordinators.append(self)  # closed before the strategy leaves RPC
+        self._no_worker_timer: threading.Timer | None = None
+        with strategy._membership:  # workers that rejoin from now on are welcomed here
+            strategy._coordinator = self  # closed before the strategy leaves RPC
             with self._condition:
-                for worker in strategy.live_workers():
-                    self._add_worker(worker)
+                for member in strategy._live_members():
+                    self._add_worker(member.name)
 
     # -- scheduling -------------------------------------------------------------------------------
     def schedule(
@@ -162,13 +171,16 @@ class ClusterCoordinator:
     ) -> RemoteValue:
         """Queue ``fn(*args, **kwargs)`` for the next free worker; ``fn`` must be importable
         there (a module-level function of the script every task runs)."""
+        try:
+            call = pickle.dumps((fn, tuple(args), dict(kwargs or {})))
+        except Exception as error:
+            raise TypeError(
+                f"{getattr(fn, '__qualname__', fn)!r} or its arguments cannot be sent to a worker "
+                f"({error}): schedule a module-level function of the script every task runs"
+            ) from error
         with self._condition:
-            self._raise_error()
-            if self._broken is not None:
-                raise RuntimeError(f"the job cannot go on: {self._broken}")
-            function = _Function(
-                next(self._ids), fn, tuple(args), dict(kwargs or {}), self._open_round
-            )
+            self._check()
+            function = _Function(next(self.strategy._function_ids), fn, call, self._open_round)
             if self.strategy.synchronous:
                 members = self._rounds.setdefault(self._open_round, [])
                 members.append(function.id)
@@ -187,15 +199,29 @@ class ClusterCoordinator:
                 self._open_round += 1
         self._commit_rounds()
         with self._condition:
-            self._condition.wait_for(lambda: self._finished() or self._error is not None)
-            self._raise_error()
+            self._condition.wait_for(
+                lambda: self._finished() or self._error is not None or self._stopped()
+            )
+            self._check()
 
     def done(self) -> bool:
         """Whether every scheduled function has run (raises the first error among them); in
         synchronous mode a partial last round is applied by ``join``."""
         with self._condition:
-            self._raise_error()
+            self._check()
             return self._finished()
+
+    def _stopped(self) -> bool:
+        return self._closing or self._broken is not None
+
+    def _check(self) -> None:
+        """Raise the first error of a function once, then, for good, why nothing more can run
+        (the job is broken, or this coordinator closed); under the condition."""
+        self._raise_error()
+        if self._broken is not None:
+            raise RuntimeError(f"the job cannot go on: {self._broken}")
+        if self._closing:
+            raise RuntimeError("this ClusterCoordinator is closed")
 
     def _finished(self) -> bool:
         return not self._unfinished and self._committed == self._open_round - 1
@@ -212,8 +238,8 @@ class ClusterCoordinator:
         dataset_id = next(self._dataset_ids)
         with self.strategy._membership:  # a worker that rejoins builds it too
             futures = [
-                self._register(dataset_id, dataset_fn, worker)
-                for worker in self.strategy.live_workers()
+                self._register(dataset_id, dataset_fn, member)
+                for member in self.strategy._live_members()
             ]
             for future in futures:
                 future.wait()
@@ -221,26 +247,33 @@ class ClusterCoordinator:
         return PerWorkerDataset(dataset_id)
 
     def _register(
-        self, dataset_id: int, dataset_fn: Callable[[InputContext], Iterable[Any]], worker: str
+        self, dataset_id: int, dataset_fn: Callable[[InputContext], Iterable[Any]], member: Member
     ) -> Any:
-        """Build a dataset on ``worker``, as the shard of its task (a future)."""
+        """Build a dataset on ``member``, as the shard of its task (a future)."""
         num_workers = self.strategy.num_workers
-        context = InputContext(num_workers, self.strategy._task_index(worker), num_workers)
+        context = InputContext(num_workers, self.strategy._task_index(member), num_workers)
         return rpc.rpc_async(
-            worker,
+            member.name,
             parameter_server_worker.register_dataset,
             (dataset_id, dataset_fn, context),
             timeout=self.strategy.timeout_seconds,
         )
 
     # -- checkpoints ------------------------------------------------------------------------------
-    def save(self, path: str | os.PathLike[str], metadata: dict[str, Any] | None = None) -> Path:
-        """Write every mirrored model and its optimizer, as they are once every function
-        scheduled so far has run, to ``path`` atomically (``mirrored.parameter_server_checkpoint``
-        says what the file holds), with ``metadata`` (plain data: numbers, strings, tensors,
-        lists, dicts) that ``restore`` returns; no function starts while the ps tasks are read."""
+    def save(
+        self,
+        path: str | os.PathLike[str],
+        metadata: dict[str, Any] | None = None,
+        models: Sequence[Any] | None = None,
+    ) -> Path:
+        """Write the mirrored models (``models``: handles from ``strategy.mirror``; None for all
+        of them) and their optimizers, as they are once every function scheduled so far has
+        run, to ``path`` atomically (``mirrored.parameter_server_checkpoint`` says what the file
+        holds), with ``metadata`` (plain data: numbers, strings, tensors, lists, dicts) that
+        ``restore`` returns; no function starts while the ps tasks are read."""
+        chosen = self._mirrored(models)
         self.join()
-        entries = self._read(self.strategy.models)
+        entries = self._read(chosen)
         return checkpoint.save(
             {
                 "format": parameter_server_checkpoint.FORMAT,
@@ -250,34 +283,50 @@ class ClusterCoordinator:
             path,
         )
 
-    def restore(self, path: str | os.PathLike[str]) -> dict[str, Any]:
-        """Load a file written by ``save`` into the ps tasks (all or nothing: it is checked
-        against every model first), and the optimizers' hyperparameters into their handles;
-        functions scheduled before it run first. Returns the file's metadata."""
+    def restore(
+        self, path: str | os.PathLike[str], models: Sequence[Any] | None = None
+    ) -> dict[str, Any]:
+        """Load a file written by ``save`` into the ps tasks, for the same ``models`` in the
+        same order (None: all of the strategy's), all or nothing: it is checked against every
+        model first; and the optimizers' hyperparameters into their handles. Functions
+        scheduled before it run first. Returns the file's metadata."""
+        chosen = self._mirrored(models)
         saved = checkpoint.load(path)
-        models = self.strategy.models
         if not isinstance(saved, dict) or saved.get("format") != parameter_server_checkpoint.FORMAT:
             raise ValueError(f"{str(path)!r} was not written by ClusterCoordinator.save()")
-        if len(saved["models"]) != len(models):
+        if len(saved["models"]) != len(chosen):
             raise ValueError(
-                f"{str(path)!r} holds {len(saved['models'])} model(s), this job mirrored "
-                f"{len(models)}: mirror the same models, in the same order, before restore()"
+                f"{str(path)!r} holds {len(saved['models'])} model(s), restore() was given "
+                f"{len(chosen)}: mirror and pass the same models, in the same order, as save()"
             )
         self.join()
-        self._write(models, saved["models"])
+        self._write(chosen, saved["models"])
         return dict(saved["metadata"])
 
     def load_weights(self, model: Any, state_dict: dict[str, Any]) -> None:
         """Replace a mirrored model's parameters and buffers on the ps tasks with
         ``state_dict`` (its ``state_dict()`` keys and shapes, else nothing changes), keeping
         its optimizer's state; functions scheduled before it run first."""
-        mirrored = next((m for m in self.strategy.models if m.model_id == model.model_id), None)
-        if mirrored is None:
-            raise ValueError(f"{model!r} was not mirrored by this coordinator's strategy")
+        (mirrored,) = self._mirrored([model])
         self.join()
         with self._paused():
             (entry,) = self._read([mirrored])
             self._write([mirrored], [{**entry, "model": state_dict}])
+
+    def _mirrored(
+        self, handles: Sequence[Any] | None
+    ) -> list[parameter_server_checkpoint.MirroredModel]:
+        """The strategy's records of the models behind ``handles`` (None: every model)."""
+        if handles is None:
+            return list(self.strategy.models)
+        by_id = {m.model_id: m for m in self.strategy.models}
+        unknown = [h for h in handles if getattr(h, "model_id", None) not in by_id]
+        if unknown:
+            raise ValueError(
+                f"{unknown[0]!r} was not mirrored by this coordinator's strategy: pass the "
+                "handles strategy.mirror() returned"
+            )
+        return [by_id[h.model_id] for h in handles]
 
     def _read(self, models: list[parameter_server_checkpoint.MirroredModel]) -> list[Any]:
         """The checkpoint entries of ``models``, read while no function runs."""
@@ -353,26 +402,51 @@ class ClusterCoordinator:
         it run ahead."""
         self._clocks[worker] = min((self._clocks[w] for w in self._live), default=0)
         self._live.add(worker)
-        self._no_worker_since = None
+        if self._no_worker_timer is not None:
+            self._no_worker_timer.cancel()
+            self._no_worker_timer = None
         thread = threading.Thread(target=self._dispatch, args=(worker,), daemon=True, name=worker)
         self._threads.append(thread)
         thread.start()
 
-    def _welcome(self, worker: str) -> None:
+    def _welcome(self, member: Member) -> None:
         """A restarted worker joins: it builds every per-worker dataset, then takes functions."""
         for dataset_id, dataset_fn in self._datasets:
-            self._register(dataset_id, dataset_fn, worker).wait()
+            self._register(dataset_id, dataset_fn, member).wait()
         with self._condition:
-            if not self._closing and self._broken is None:
-                self._add_worker(worker)
+            if not self._stopped():
+                self._add_worker(member.name)
                 self._condition.notify_all()
 
     def _retire(self, worker: str) -> None:
         """Take no more functions to ``worker``, and count no result it still returns (its
         function runs again elsewhere): its task was restarted."""
         with self._condition:
-            self._live.discard(worker)
-            self._condition.notify_all()
+            self._drop(worker, "its task was restarted")
+
+    def _drop(self, worker: str, why: object) -> None:
+        """``worker`` takes no more functions (under the condition). With no worker left, the
+        functions wait for one to rejoin, for the strategy's timeout at most; then the job
+        fails."""
+        self._live.discard(worker)
+        self._condition.notify_all()
+        if self._live or self._stopped() or self._no_worker_timer is not None:
+            return
+        timeout = self.strategy.timeout_seconds
+
+        def expire() -> None:
+            with self._condition:
+                if not self._live and not self._stopped():
+                    self._lose(
+                        RuntimeError(
+                            f"every worker was lost (the last, {worker}: {why}) and none "
+                            f"rejoined within {timeout:g} s"
+                        )
+                    )
+
+        self._no_worker_timer = threading.Timer(timeout, expire)
+        self._no_worker_timer.daemon = True
+        self._no_worker_timer.start()
 
     # -- dispatch ---------------------------------------------------------------------------------
     def _dispatch(self, worker: str) -> None:
@@ -394,7 +468,7 @@ class ClusterCoordinator:
                 status, result = rpc.rpc_sync(
                     worker,
                     parameter_server_worker.run_function,
-                    (function.id, finished_below, function.fn, function.args, function.kwargs),
+                    (function.id, finished_below, function.call),
                     timeout=self.strategy.timeout_seconds,
                 )
             except Exception as error:  # the worker is lost: fence it, hand its function on
@@ -443,6 +517,7 @@ class ClusterCoordinator:
                     or round_ >= self._open_round
                     or any(f in self._unfinished for f in members)
                     or self._error is not None
+                    or self._broken is not None
                 ):
                     return
                 self._committing = True
@@ -476,12 +551,10 @@ class ClusterCoordinator:
         function.value._finish(error=error)
         if self._error is None:
             self._error = error
-        while self._queue:  # TensorFlow cancels what was queued after a failed function
-            cancelled = self._queue.popleft()
-            self._unfinished.discard(cancelled.id)
-            cancelled.value._finish(
-                error=RuntimeError(f"cancelled: an earlier scheduled function failed ({error})")
-            )
+        # TensorFlow cancels what was queued after a failed function.
+        self._fail_queued(
+            RuntimeError(f"cancelled: an earlier scheduled function failed ({error})")
+        )
 
     def _give_up(self, worker: str, function: _Function, error: BaseException) -> None:
         lost: BaseException | None = None
@@ -494,37 +567,18 @@ class ClusterCoordinator:
             )
         with self._condition:
             self._in_flight -= 1
-            self._live.discard(worker)
             self._queue.appendleft(function)  # another worker runs it again
             if lost is not None:
                 self._lose(lost)
-            elif not self._live:
-                self._await_a_worker(worker, error)
-            self._condition.notify_all()
-
-    def _await_a_worker(self, last: str, error: BaseException) -> None:
-        """Every worker is lost: the functions wait for one to rejoin, for the strategy's
-        timeout at most; then the job fails."""
-        since = self._no_worker_since = time.monotonic()
-
-        def expire() -> None:
-            with self._condition:
-                if self._no_worker_since == since and not self._closing:
-                    self._lose(
-                        RuntimeError(
-                            f"every worker was lost (the last, {last}: {error}) and none rejoined "
-                            f"within {self.strategy.timeout_seconds:g} s"
-                        )
-                    )
-
-        timer = threading.Timer(self.strategy.timeout_seconds, expire)
-        timer.daemon = True
-        timer.start()
+            self._drop(worker, error)
 
     def _lose(self, error: BaseException) -> None:
         """The job cannot go on (a ps task or every worker is lost): fail what is queued."""
         self._error = self._error or error
         self._broken = self._broken or error
+        self._fail_queued(error)
+
+    def _fail_queued(self, error: BaseException) -> None:
         for pending in self._queue:
             self._unfinished.discard(pending.id)
             pending.value._finish(error=error)
@@ -538,10 +592,13 @@ class ClusterCoordinator:
 
     # -- lifetime ---------------------------------------------------------------------------------
     def close(self) -> None:
-        """Stop dispatching (functions still queued are dropped); idempotent."""
+        """Stop dispatching: the functions still queued fail, and those running finish first;
+        idempotent. The strategy closes its coordinator when it closes."""
         with self._condition:
             self._closing = True
-            self._condition.notify_all()
+            self._fail_queued(RuntimeError("the ClusterCoordinator was closed before it ran"))
+            if self._no_worker_timer is not None:
+                self._no_worker_timer.cancel()
         for thread in self._threads:
             thread.join()
 

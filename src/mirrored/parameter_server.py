@@ -14,7 +14,8 @@ ps tasks (whole, or cut by a partitioner: ``mirrored.partitioners``) with an opt
 class and hyperparameters beside them, and gives every worker a copy of the model. The handles it
 returns are what scheduled functions take as arguments (``ClusterCoordinator.schedule``): on a
 worker they are the worker's copy, pulled fresh from the ps tasks, and an optimizer whose
-``step()`` pushes the gradients, applied by each ps task as soon as they arrive.
+``step()`` pushes the gradients, applied by each ps task as soon as they arrive (in synchronous
+mode, once the coordinator commits the function's round).
 
 Built on ``torch.distributed.rpc`` (``mirrored.rpc_cluster``), which unpickles what peers send:
 every task of the job belongs on a private network.
@@ -116,9 +117,12 @@ class ParameterServerStrategy:
             raise SystemExit(0)
         self._model_ids = itertools.count()
         self.models: list[MirroredModel] = []  # in the order mirror() made them
-        self._coordinators: list[ClusterCoordinator] = []  # ClusterCoordinators of this strategy
-        # Each worker task's latest incarnation, and the incarnations given up.
+        self._coordinator: ClusterCoordinator | None = None  # the one (ClusterCoordinator)
+        self._function_ids = itertools.count()  # ids of scheduled functions, per strategy
+        # Each worker task's incarnation taking part (or the last one, given up), the one
+        # admitted but not yet taking part, and the incarnations given up.
         self._workers = {w: Member(w, w, self.cluster.rank(w)) for w in self.cluster.workers}
+        self._admitted: dict[str, Member] = {}
         self._lost: set[str] = set()
         self._membership = threading.RLock()  # held while a model or worker joins the job
         self._closed = False
@@ -226,7 +230,7 @@ class ParameterServerStrategy:
             )
         mirrored = MirroredModel(model_id, module, tuple(shards), param_groups)
         with self._membership:  # a worker admitted meanwhile gets this model too
-            futures += [self._register(mirrored, worker) for worker in self.live_workers()]
+            futures += [self._register(mirrored, member.name) for member in self._live_members()]
             for future in futures:
                 future.wait()
             self.models.append(mirrored)
@@ -250,16 +254,15 @@ class ParameterServerStrategy:
     def live_workers(self) -> list[str]:
         """The RPC names of the workers taking part now, in task order (``worker1_2`` is the
         second incarnation of ``worker1``, restarted after it was lost)."""
-        with self._membership:
-            return [m.name for m in self._workers.values() if m.name not in self._lost]
+        return [member.name for member in self._live_members()]
 
-    def _task_index(self, worker: str) -> int:
-        """Which worker task ``worker`` (an incarnation's name) runs: its dataset shard."""
-        return next(
-            index
-            for index, task in enumerate(self.cluster.workers)
-            if self._workers[task].name == worker
-        )
+    def _live_members(self) -> list[Member]:
+        with self._membership:
+            return [m for m in self._workers.values() if m.name not in self._lost]
+
+    def _task_index(self, member: Member) -> int:
+        """Which worker task ``member`` runs: the shard of the per-worker datasets it builds."""
+        return self.cluster.workers.index(member.task)
 
     def _give_up(self, worker: str) -> None:
         """No push of ``worker`` counts from now on: every ps task fences it (a push under way
@@ -270,28 +273,30 @@ class ParameterServerStrategy:
             self._lost.add(worker)
 
     def _prepare(self, member: Member) -> str | None:
-        """A restarted worker asks to rejoin: give up its lost incarnation everywhere, then let
-        it join the RPC group (``Admissions``); or say why it may not."""
+        """A restarted worker asks to rejoin: give up its earlier incarnations everywhere (the
+        one that took part and one admitted before that never took part), then let it join the
+        RPC group (``Admissions``); or say why it may not."""
         if self._closed:
             return "the job has ended"
         with self._membership:
-            lost = self._workers[member.task]
-            for coordinator in self._coordinators:
-                coordinator._retire(lost.name)  # nothing it still returns counts
-            self._give_up(lost.name)
-            forget_member(lost)
-            self._workers[member.task] = member
+            earlier = [self._workers[member.task], self._admitted.get(member.task)]
+            for old in filter(None, earlier):
+                if self._coordinator is not None:
+                    self._coordinator._retire(old.name)  # nothing it still returns counts
+                self._give_up(old.name)
+                forget_member(old)
+            self._admitted[member.task] = member
         return None
 
     def _welcome(self, member: Member) -> None:
         """A restarted worker has joined: give it every model and per-worker dataset, then
-        functions to run."""
+        functions to run; until then it does not take part."""
         with self._membership:
             try:
                 for model in self.models:
                     self._register(model, member.name).wait()
-                for coordinator in self._coordinators:
-                    coordinator._welcome(member.name)
+                if self._coordinator is not None:
+                    self._coordinator._welcome(member)
             except Exception as error:  # lost again: its next restart asks again
                 warnings.warn(
                     f"{member.task} rejoined as {member.name} but was lost again before it could "
@@ -299,7 +304,8 @@ class ParameterServerStrategy:
                     RuntimeWarning,
                     stacklevel=1,
                 )
-                self._lost.add(member.name)
+                return
+            self._workers[member.task] = self._admitted.pop(member.task)
 
     # -- lifetime ---------------------------------------------------------------------------------
     def close(self) -> None:
@@ -309,14 +315,14 @@ class ParameterServerStrategy:
             return
         self._closed = True
         self._admissions.stop()
-        for coordinator in self._coordinators:
-            coordinator.close()
-        futures = [
-            rpc.rpc_async(task, _stop, timeout=self.timeout_seconds)
-            for task in (*self.live_workers(), *self.cluster.ps)
-        ]
-        for future in futures:
+        if self._coordinator is not None:
+            self._coordinator.close()
+        futures = []
+        for task in (*self.live_workers(), *self.cluster.ps):
             with contextlib.suppress(RuntimeError):  # a task already lost: nothing to stop
+                futures.append(rpc.rpc_async(task, _stop, timeout=self.timeout_seconds))
+        for future in futures:
+            with contextlib.suppress(RuntimeError):
                 future.wait()
         stop_rpc()
 
@@ -356,7 +362,7 @@ class ParameterServerOptimizer:
     """A mirrored model's optimizer: pass it to scheduled functions, where ``step()`` pushes the
     gradients to the ps tasks that apply them. ``param_groups`` holds each group's
     hyperparameters (no tensors): change them here (``group["lr"] = ...``) and every function
-    sent to a worker from then on applies its updates with the new values."""
+    scheduled from then on applies its updates with the new values."""
 
     def __init__(self, model_id: int, param_groups: list[dict[str, Any]]) -> None:
         self.model_id = model_id

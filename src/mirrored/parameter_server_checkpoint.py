@@ -56,7 +56,16 @@ def gather(model: MirroredModel, states: Sequence[Mapping[str, Any]]) -> dict[st
         else states[shards[0].ps]["shards"][shards[0].key]
         for name, shards in parts.items()
     }
-    model_state = {name: whole[name] for name in model.module.state_dict()}
+    # A tied tensor has one canonical name (the ps tasks hold it once) and aliases in the
+    # state dict: each key takes the value of the tensor it names.
+    canonical = {
+        id(tensor): name
+        for name, tensor in [*model.module.named_parameters(), *model.module.named_buffers()]
+    }
+    model_state = {
+        key: whole[canonical[id(tensor)]]
+        for key, tensor in model.module.state_dict(keep_vars=True).items()
+    }
     optimizer_state = {}
     for index, name in enumerate(model.parameter_names()):
         per_shard = [states[s.ps]["optimizer"].get(s.key) for s in parts[name]]

@@ -19,6 +19,7 @@ comes back as such, not as the function's error: the job cannot go on without it
 
 from __future__ import annotations
 
+import pickle
 import threading
 import traceback
 from collections.abc import Callable, Iterable, Iterator
@@ -158,7 +159,7 @@ class WorkerModel(nn.Module):
 class WorkerOptimizer:
     """A mirrored optimizer as a scheduled function sees it: ``step()`` pushes the model's
     gradients to the ps tasks, where the real optimizer applies them with this function's
-    ``param_groups`` hyperparameters (the coordinator's when it sent the function; a change
+    ``param_groups`` hyperparameters (the coordinator's when it scheduled the function; a change
     here, e.g. a learning-rate schedule, applies to this function's later steps)."""
 
     def __init__(self, model: WorkerModel, param_groups: list[dict[str, Any]]) -> None:
@@ -231,15 +232,20 @@ def iterator(dataset_id: int) -> RepeatingIterator:
     return _iterators[dataset_id]
 
 
-def run_function(
-    function_id: int,
-    finished_below: int,
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-) -> tuple[str, Any]:
-    """Run one scheduled function: ``("ok", result)``; ``("raised", (type name, message,
-    traceback))`` when it raised; ``("ps_lost", message)`` when a ps task did not answer."""
+def run_function(function_id: int, finished_below: int, call: bytes) -> tuple[str, Any]:
+    """Run one scheduled function (``call``: it and its arguments, pickled): ``("ok",
+    result)``; ``("raised", (type name, message, traceback))`` when it raised or could not be
+    loaded here; ``("ps_lost", message)`` when a ps task did not answer."""
+    try:
+        fn, args, kwargs = pickle.loads(call)
+    except Exception as error:
+        return "raised", (
+            type(error).__name__,
+            f"{error} (this worker could not load the function or its arguments: define the "
+            "function at module level in the script every task runs, above the line that "
+            "creates the strategy, where worker tasks stop to serve)",
+            traceback.format_exc(),
+        )
     _running.function = _Running(function_id, finished_below)
     try:
         for used in flatten((args, kwargs)):

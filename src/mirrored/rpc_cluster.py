@@ -1,6 +1,6 @@
 """The processes of a parameter-server job as one ``torch.distributed.rpc`` group.
 
-``torch.distributed.rpc`` leaves three things to the user that this module settles once:
+``torch.distributed.rpc`` leaves four things to the user that this module settles once:
 
 - **Where it listens.** Its rendezvous store would bind every interface and TensorPipe the address
   the host name resolves to; here the store listens only on the chief's address, and TensorPipe
@@ -228,12 +228,24 @@ class Admissions:
 
     def _run(self) -> None:
         served = 0
+        unwritten_since: float | None = None  # the next request was counted, not yet written
         while not self._stopping.wait(0.2):
-            requests = self._client.add(f"{_PREFIX}/requests", 0)
-            while served < requests and not self._stopping.is_set():
-                served += 1
-                task, name, rank = self._client.get(f"{_PREFIX}/request/{served}").decode().split()
-                self._serve(Member(task, name, int(rank)))
+            try:
+                requests = self._client.add(f"{_PREFIX}/requests", 0)
+                while served < requests and not self._stopping.is_set():
+                    key = f"{_PREFIX}/request/{served + 1}"
+                    if not self._client.check([key]):
+                        # Its writer died between counting and writing it: skip it in time.
+                        unwritten_since = unwritten_since or time.monotonic()
+                        if time.monotonic() - unwritten_since < self._timeout_seconds:
+                            break
+                        served += 1
+                        continue
+                    served, unwritten_since = served + 1, None
+                    task, name, rank = self._client.get(key).decode().split()
+                    self._serve(Member(task, name, int(rank)))
+            except dist.DistError:  # the store is gone: the job is ending
+                return
 
     def _serve(self, member: Member) -> None:
         try:
@@ -260,8 +272,9 @@ def forget_member(member: Member) -> None:
     store = rpc.api._get_current_rpc_agent().store  # type: ignore[attr-defined]
     names = dist.PrefixStore("names", store)
     with _group_membership_management(store, f"forget_{member.name}", False):
-        entries = names.get("_ALL_WORKER_INFOS").decode()
-        names.set("_ALL_WORKER_INFOS", entries.replace(f"{member.name}-{member.rank},", ""))
+        entries = names.get("_ALL_WORKER_INFOS").decode().split(",")
+        kept = [entry for entry in entries if entry and entry != f"{member.name}-{member.rank}"]
+        names.set("_ALL_WORKER_INFOS", "".join(f"{entry}," for entry in kept))
         names.delete_key(str(member.rank))
 
 

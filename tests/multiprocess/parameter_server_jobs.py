@@ -5,8 +5,10 @@ workers."""
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import signal
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mirrored
-from mirrored.cluster_coordinator import ClusterCoordinator
+from mirrored.cluster_coordinator import ClusterCoordinator, ScheduledFunctionError
 from mirrored.parameter_server import ParameterServerStrategy
 from mirrored.partitioners import FixedShardsPartitioner
 
@@ -214,14 +216,14 @@ class Counter(nn.Module):
 
 @contextlib.contextmanager
 def counter_job(
-    mode: str,
+    mode: str, timeout_seconds: float = 30
 ) -> Iterator[tuple[ClusterCoordinator, Counter, Any, Any]]:
-    """The strategy of the counting jobs ("async" or "sync"; 2 shards, 30 s timeouts), its
-    coordinator, and a ``Counter`` mirrored with SGD at lr 1."""
+    """The strategy of the counting jobs ("async" or "sync"; 2 shards), its coordinator, and a
+    ``Counter`` mirrored with SGD at lr 1."""
     with ParameterServerStrategy(
         variable_partitioner=FixedShardsPartitioner(2),
         synchronous=mode == "sync",
-        timeout_seconds=30,
+        timeout_seconds=timeout_seconds,
     ) as strategy:
         coordinator = ClusterCoordinator(strategy)
         module = Counter()
@@ -232,16 +234,17 @@ def counter_job(
 _functions_run = 0  # on a worker: how many count_down calls it has run
 
 
-def count_down(model: nn.Module, optimizer: Any, fault: str) -> str:
-    """Two updates; with fault "worker", worker1's second function dies between its second
-    update's push to ps0 and its push to ps1."""
+def count_down(model: nn.Module, optimizer: Any, fault: str, weight: float) -> str:
+    """Two updates of ``weight`` each (a function's own gradient, so that an update applied
+    twice or lost shows even in an averaged round); with fault "worker", worker1's second
+    function dies between its second update's push to ps0 and its push to ps1."""
     global _functions_run
     _functions_run += 1
     name = rpc.get_worker_info().name
     for step in range(2):
         if fault == "worker" and name == "worker1" and _functions_run == 2 and step == 1:
             _die_between_ps_tasks()
-        model().backward()
+        (model() * weight).backward()
         optimizer.step()
         optimizer.zero_grad()
     return name
@@ -265,7 +268,8 @@ def _die() -> None:
 
 
 def counter(out: Path, fault: str, mode: str = "async", phase: str = "first") -> None:
-    """A chief, 2 workers and 2 ps tasks count down with 12 functions of 2 updates each. Faults:
+    """A chief, 2 workers and 2 ps tasks count down with 12 functions of 2 updates each, the
+    i-th (from 1) of weight i (async: -156 in all; sync, rounds of 2: -78). Faults:
     "worker" (worker1 dies mid-function), "ps" (after a checkpoint at 4 functions the chief
     kills ps1: the next join fails; phase "resume" restores that checkpoint in new processes
     and runs the other 8), "chief" (the chief dies after 4 functions)."""
@@ -276,14 +280,20 @@ def counter(out: Path, fault: str, mode: str = "async", phase: str = "first") ->
         if phase == "resume":
             coordinator.restore(saved)
         else:
-            runs += [coordinator.schedule(count_down, (model, optimizer, fault)) for _ in range(4)]
+            runs += [
+                coordinator.schedule(count_down, (model, optimizer, fault, float(i)))
+                for i in range(1, 5)
+            ]
             coordinator.join()
             if fault == "chief":
                 _die()
             if fault == "ps":
                 coordinator.save(saved)
                 rpc.rpc_async("ps1", _die)
-        runs += [coordinator.schedule(count_down, (model, optimizer, fault)) for _ in range(8)]
+        runs += [
+            coordinator.schedule(count_down, (model, optimizer, fault, float(i)))
+            for i in range(5, 13)
+        ]
         try:
             coordinator.join()
         except RuntimeError as error:
@@ -300,13 +310,16 @@ def task_index(context: mirrored.InputContext) -> list[int]:
     return [context.input_pipeline_id]
 
 
-def count_down_and_report(model: nn.Module, optimizer: Any, shards: Any) -> tuple[str, int]:
+def count_down_and_report(
+    model: nn.Module, optimizer: Any, shards: Any, weight: float
+) -> tuple[str, int]:
     """``count_down`` with worker1 dying mid-function; returns the worker and its shard."""
-    return count_down(model, optimizer, "worker"), next(shards)
+    return count_down(model, optimizer, "worker", weight), next(shards)
 
 
 def rejoin(out: Path, mode: str) -> None:
-    """A chief, 2 workers and 2 ps count down with functions of 2 updates, two at a time,
+    """A chief, 2 workers and 2 ps count down with functions of 2 updates (the i-th, from 1,
+    of weight i), two at a time,
     until worker1, killed by its second function between its pushes to ps0 and ps1, has been
     restarted by the test and run one as ``worker1_2`` (with its task's dataset shard)."""
     with counter_job(mode) as (coordinator, module, model, optimizer):
@@ -315,8 +328,10 @@ def rejoin(out: Path, mode: str) -> None:
         deadline = time.monotonic() + 60
         while ("worker1_2", 1) not in ran_on and time.monotonic() < deadline:
             pair = [
-                coordinator.schedule(count_down_and_report, (model, optimizer, shards))
-                for _ in range(2)
+                coordinator.schedule(
+                    count_down_and_report, (model, optimizer, shards, float(len(ran_on) + i))
+                )
+                for i in (1, 2)
             ]
             ran_on += coordinator.fetch(pair)
             time.sleep(0.05)
@@ -330,6 +345,63 @@ def rejoin(out: Path, mode: str) -> None:
             },
             out / "chief-first.pt",
         )
+
+
+def coordinator_rules(out: Path) -> None:
+    """One coordinator per strategy; a function that cannot reach a worker fails by itself
+    and loses no worker; close() fails what is still queued and a new coordinator goes on
+    counting; with every worker lost the job fails after the strategy's timeout (10 s)."""
+    record: dict[str, Any] = {}
+    with counter_job("async", timeout_seconds=10) as (coordinator, module, model, optimizer):
+        strategy = coordinator.strategy
+        record["one per strategy"] = ClusterCoordinator(strategy) is coordinator
+        try:
+            coordinator.schedule(lambda: 1)
+        except TypeError as error:
+            record["lambda"] = str(error)
+        (out / "chief_only.py").write_text("def answer():\n    return 42\n")
+        sys.path.insert(0, str(out))  # only here: the workers cannot import it
+        chief_only = importlib.import_module("chief_only")
+        try:
+            coordinator.schedule(chief_only.answer).fetch()
+        except ScheduledFunctionError as error:
+            record["unloadable"] = str(error)
+        with contextlib.suppress(ScheduledFunctionError):
+            coordinator.join()  # raises the function's error once more
+        record["live after"] = strategy.live_workers()
+        coordinator.schedule(count_down, (model, optimizer, "none", 1.0)).fetch()
+        queued = [
+            coordinator.schedule(count_down, (model, optimizer, "none", 1.0)) for _ in range(6)
+        ]
+        coordinator.close()
+        outcomes = []
+        for value in queued:
+            try:
+                outcomes.append(value.fetch())
+            except RuntimeError as error:
+                outcomes.append(str(error))
+        record["outcomes"] = outcomes
+        for case, call in {
+            "schedule after close": lambda: coordinator.schedule(count_down),
+            "join after close": coordinator.join,
+        }.items():
+            try:
+                call()
+            except RuntimeError as error:
+                record[case] = str(error)
+        fresh = ClusterCoordinator(strategy)
+        record["a new one after close"] = fresh is not coordinator
+        fresh.schedule(count_down, (model, optimizer, "none", 1.0)).fetch()
+        model.pull()
+        record["value"] = module.value.detach().clone()
+        fresh.schedule(_die)  # on one worker, then, run again, on the other
+        started = time.monotonic()
+        try:
+            fresh.join()
+        except RuntimeError as error:
+            record["all lost"] = str(error)
+        record["waited"] = time.monotonic() - started
+    torch.save(record, out / "chief-first.pt")
 
 
 def missing_tasks(out: Path) -> None:
@@ -418,6 +490,7 @@ JOBS = (
     checkpoint_resume,
     counter,
     rejoin,
+    coordinator_rules,
     missing_tasks,
     fit_digits,
 )

@@ -73,13 +73,13 @@ def _exits(workers: list[Worker]) -> list[int | None]:
     return [worker.returncode for worker in workers]
 
 
-@pytest.mark.parametrize(("mode", "expected"), [("async", -24.0), ("sync", -12.0)])
+@pytest.mark.parametrize(("mode", "expected"), [("async", -156.0), ("sync", -78.0)])
 def test_a_killed_worker_s_function_runs_again_and_every_update_counts_once(
     tmp_path: Path, mode: str, expected: float
 ) -> None:
-    """12 functions of 2 updates; worker1 dies after its second function's second update
-    reached ps0 but not ps1. Asynchronous: each update takes 1; synchronous: each round of 2
-    functions takes 1 per update."""
+    """12 functions of 2 updates, the i-th of weight i; worker1 dies after its second
+    function's second update reached ps0 but not ps1. Asynchronous: each update takes its
+    weight; synchronous: each round of 2 functions takes their mean per update."""
     workers = run_workers("counter", tmp_path, 5, cluster="ps:2:2", args=["worker", mode])
     assert _exits(workers) == [0, 0, -9, 0, 0], "\n".join(w.output for w in workers)
     result = torch.load(tmp_path / "chief-first.pt", weights_only=True)
@@ -94,8 +94,9 @@ def test_a_restarted_worker_rejoins_and_no_update_is_lost_or_applied_twice(
 ) -> None:
     """worker1 dies between its pushes to ps0 and ps1; the test restarts it with the same
     TF_CONFIG task; it rejoins as worker1_2 and runs functions on its task's dataset shard.
-    The functions run in pairs. Asynchronous: every function takes 2 from each row;
-    synchronous: every round of 2 functions (a pair) takes 2."""
+    The functions run in pairs, the i-th (from 1) of weight i. Asynchronous: every function
+    takes twice its weight from each row; synchronous: every round of 2 functions (a pair)
+    takes their sum."""
     workers = start_workers("rejoin", tmp_path, 5, cluster="ps:2:2", args=[mode])
     try:
         workers[WORKER1].process.wait(timeout=90)
@@ -106,8 +107,9 @@ def test_a_restarted_worker_rejoins_and_no_update_is_lost_or_applied_twice(
     assert _exits(workers) == [0, 0, -9, 0, 0, 0], "\n".join(w.output for w in workers)
     result = torch.load(tmp_path / "chief-first.pt", weights_only=True)
     functions = len(result["ran_on"])
-    per_function = 2.0 if mode == "async" else 1.0
-    assert torch.equal(result["value"], torch.full((4,), -per_function * functions))
+    weights = functions * (functions + 1) / 2
+    expected = -2 * weights if mode == "async" else -weights
+    assert torch.equal(result["value"], torch.full((4,), expected))
     assert ("worker1", 1) in result["ran_on"] and ("worker1_2", 1) in result["ran_on"]
     assert {shard for name, shard in result["ran_on"] if name == "worker0"} == {0}
     assert result["live"] == ["worker0", "worker1_2"]
@@ -121,7 +123,29 @@ def test_a_lost_ps_fails_the_job_clearly_and_its_last_checkpoint_resumes(tmp_pat
     resumed = run_workers("counter", tmp_path, 5, cluster="ps:2:2", args=["ps", "async", "resume"])
     assert_all_succeeded(resumed)
     result = torch.load(tmp_path / "chief-resume.pt", weights_only=True)
-    assert torch.equal(result["value"], torch.full((4,), -24.0))  # 4 before the save, 8 after
+    assert torch.equal(result["value"], torch.full((4,), -156.0))  # 4 before the save, 8 after
+
+
+def test_coordinator_rules_bad_functions_close_and_every_worker_lost(tmp_path: Path) -> None:
+    workers = run_workers("coordinator_rules", tmp_path, 5, cluster="ps:2:2")
+    assert _exits(workers) == [0, -9, -9, 0, 0], "\n".join(w.output for w in workers)
+    record = torch.load(tmp_path / "chief-first.pt", weights_only=True)
+    assert record["one per strategy"] and record["a new one after close"]
+    assert "cannot be sent to a worker" in record["lambda"]
+    assert "module-level function" in record["lambda"]
+    assert "No module named 'chief_only'" in record["unloadable"]
+    assert "above the line that creates the strategy" in record["unloadable"]
+    assert record["live after"] == ["worker0", "worker1"]
+    ran = [o for o in record["outcomes"] if o in ("worker0", "worker1")]
+    closed = [o for o in record["outcomes"] if "was closed before it ran" in o]
+    assert len(ran) + len(closed) == 6 and closed, record["outcomes"]
+    assert "this ClusterCoordinator is closed" in record["schedule after close"]
+    assert "this ClusterCoordinator is closed" in record["join after close"]
+    # 1 function before close, those that ran, 1 on the new coordinator: 2 updates of 1 each.
+    assert torch.equal(record["value"], torch.full((4,), -2.0 * (len(ran) + 2)))
+    assert "every worker was lost" in record["all lost"]
+    assert "none rejoined within 10 s" in record["all lost"]
+    assert 9 < record["waited"] < 40
 
 
 def test_the_chief_names_the_tasks_that_never_joined(tmp_path: Path) -> None:

@@ -683,7 +683,8 @@ class Model:
     def save(self, filepath: str | Path) -> None:
         """Write the whole training state (``load`` restores it), atomically; only where the
         strategy writes checkpoints (the chief). On a ``ParameterServerStrategy`` the file is
-        the coordinator's checkpoint of the ps tasks (``ClusterCoordinator.save``)."""
+        the coordinator's checkpoint of this model on the ps tasks (``ClusterCoordinator.save``
+        of it alone)."""
         if self._on_parameter_servers:
             steps = self._compiled()
             scheduler = steps.lr_scheduler
@@ -693,6 +694,7 @@ class Model:
                     "iterations": self._iterations,
                     "lr_scheduler": None if scheduler is None else scheduler.state_dict(),
                 },
+                [self._mirrored_module()],
             )
             return
         self.strategy.save_on_chief(
@@ -703,7 +705,9 @@ class Model:
         """Restore a file written by ``save`` into this compiled model."""
         if self._on_parameter_servers:
             steps = self._compiled()
-            metadata = self._parameter_server_coordinator().restore(filepath)
+            metadata = self._parameter_server_coordinator().restore(
+                filepath, [self._mirrored_module()]
+            )
             self._iterations = int(metadata.get("iterations", 0))
             if steps.lr_scheduler is not None and metadata.get("lr_scheduler") is not None:
                 steps.lr_scheduler.load_state_dict(metadata["lr_scheduler"])
@@ -731,6 +735,12 @@ class Model:
         if isinstance(saved, dict) and saved.get("format") == _MODEL_FORMAT:
             saved = saved["model"]
         elif isinstance(saved, dict) and saved.get("format") == parameter_server_checkpoint.FORMAT:
+            if len(saved["models"]) != 1:
+                raise ValueError(
+                    f"{str(filepath)!r} holds {len(saved['models'])} models (a whole "
+                    "ClusterCoordinator.save): restore it with ClusterCoordinator.restore, or "
+                    "write this model alone with Model.save"
+                )
             saved = saved["models"][0]["model"]
         if self._on_parameter_servers:
             self._parameter_server_coordinator().load_weights(self._mirrored_module(), saved)
