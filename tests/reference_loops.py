@@ -29,6 +29,18 @@ def make_batches(
     ]
 
 
+def merge_batches(batches: Sequence[Batch], steps: int) -> list[Batch]:
+    """Every ``steps`` consecutive batches as one (an unfinished group left out): what one
+    device sees where gradient accumulation sees ``steps`` micro-batches."""
+    return [
+        (
+            torch.cat([x for x, _ in batches[i : i + steps]]),
+            torch.cat([y for _, y in batches[i : i + steps]]),
+        )
+        for i in range(0, len(batches) - steps + 1, steps)
+    ]
+
+
 def make_mlp(features: int = 12, classes: int = 5, seed: int = 1) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(
@@ -76,8 +88,9 @@ def train_mirrored(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     batches: Sequence[Batch],
+    set_to_none: bool = True,
 ) -> tuple[mirrored.MirroredModule, mirrored.MirroredOptimizer, list[float]]:
-    """The issue's program, verbatim in spirit."""
+    """The issue's program, verbatim in spirit (``set_to_none``: how it zeroes gradients)."""
     mirrored_model, mirrored_optimizer = strategy.mirror(model, optimizer)
 
     def step(batch: Batch) -> torch.Tensor:
@@ -87,7 +100,7 @@ def train_mirrored(
         )
         loss.backward()
         mirrored_optimizer.step()
-        mirrored_optimizer.zero_grad()
+        mirrored_optimizer.zero_grad(set_to_none=set_to_none)
         return loss
 
     losses = []

@@ -21,7 +21,11 @@ Exactness beyond one backward per step, without DDP's restrictions:
   zeroing gradients) contributes only its new gradient: the hook sends it and hands autograd a
   zero to accumulate, and the reduced sum is added to the gradient already there;
 - gradients assigned by hand (``torch.autograd.grad``) with no backward in the step are reduced
-  at ``optimizer.step()``.
+  at ``optimizer.step()``;
+- with gradient accumulation (:mod:`mirrored.accumulation`) the backward passes of a window's
+  first micro-steps send nothing (autograd sums them in ``param.grad``); the last micro-step's
+  pass sends each parameter's window sum, its own gradient included, divided by the window's
+  length.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from mirrored.bucketing import plan_buckets
 
 if TYPE_CHECKING:
+    from mirrored.accumulation import AccumulationWindow
     from mirrored.strategy import Strategy
     from mirrored.worker_group import PendingCollective, WorkerGroup
 
@@ -57,6 +62,7 @@ class OverlappedGradientReducer:
             current step's exchange).
         params: each local replica's trainable parameters, in the same order.
         group: the workers' process group.
+        window: the optimizer's accumulation window (None: every step reduces).
         bytes_per_pack: bucket size in bytes; ``first_pack_bytes`` caps the first bucket.
     """
 
@@ -65,11 +71,13 @@ class OverlappedGradientReducer:
         strategy: Strategy,
         params: Sequence[Sequence[nn.Parameter]],
         group: WorkerGroup,
+        window: AccumulationWindow | None,
         bytes_per_pack: int,
         first_pack_bytes: int,
     ) -> None:
         self._strategy = strategy
         self._group = group
+        self._window = window
         self._params = [list(p) for p in params]
         num_local = len(self._params)
         first = self._params[0]
@@ -159,20 +167,39 @@ class OverlappedGradientReducer:
     def _on_grad(self, r: int, i: int, grad: torch.Tensor) -> torch.Tensor | None:
         if self._strategy.active_replica(r) is None or not _accumulates(self._accumulators[r][i]):
             return None  # backward outside strategy.run, or autograd.grad: nothing to reduce
+        if self._window is not None and not self._window.final(r):
+            return None  # an accumulation window's micro-step: autograd sums it in param.grad
         if not self._in_pass[r]:
             self._in_pass[r] = True
             torch.autograd.Variable._execution_engine.queue_callback(
                 functools.partial(self.finish_pass, r)
             )
         param = self._params[r][i]
-        fresh = param.grad is None
+        held = self._holding(r) and param.grad is not None
+        fresh = param.grad is None or held
         self._keep_grad(r, param)
-        self._views[r][i].copy_(grad)
+        view = self._views[r][i]
+        view.copy_(grad)
+        if held and param.grad is not None:
+            view.add_(param.grad)
+        self._send(r, i, fresh)
+        # A gradient already there stays as it is; the reduced sum is added at the pass's end
+        # (or, for a window's sum, replaces it).
+        return None if param.grad is None else self._zeros[r][i].expand_as(grad)
+
+    def _holding(self, r: int) -> bool:
+        """Whether replica ``r``'s ``param.grad`` holds its accumulation window's unreduced sum
+        (the window's last micro-step, before its first pass is reduced)."""
+        return self._window is not None and self._window.holding(r) and self._passes[r] == 0
+
+    def _send(self, r: int, i: int, fresh: bool) -> None:
+        """Parameter ``i``'s gradient is in replica ``r``'s bucket view: scale it to the
+        window's mean and count it packed."""
+        if self._window is not None:
+            self._views[r][i].mul_(self._window.scale)
         self._fired[r][i] = True
         self._fresh[r][i] = fresh
         self._param_packed(r, i)
-        # A gradient already there stays as it is; the reduced sum is added at the pass's end.
-        return None if fresh else self._zeros[r][i].expand_as(grad)
 
     def _keep_grad(self, r: int, param: nn.Parameter) -> bool:
         """Before the pass writes into the buffers: a ``param.grad`` that is a view of them (the
@@ -238,6 +265,7 @@ class OverlappedGradientReducer:
         manual = not self._in_pass[r] and self._passes[r] == 0
         if not self._in_pass[r] and not manual:
             return  # this step's gradients are already reduced
+        holding = self._holding(r)
         self._in_pass[r] = True
         for i, fired in enumerate(self._fired[r]):
             if fired:
@@ -245,15 +273,18 @@ class OverlappedGradientReducer:
             param = self._params[r][i]
             reduced = self._keep_grad(r, param)
             # Assigned by hand with no backward in this step, or produced by a backward the
-            # parameter was frozen for when mirrored (it is watched from now on): reduce it now.
-            # A sum left from an earlier step (no zero_grad) is not reduced twice.
-            if param.grad is not None and not reduced and (manual or not self._hooked[r][i]):
+            # parameter was frozen for when mirrored (it is watched from now on), or summed
+            # over an accumulation window's micro-steps: reduce it now. A sum left from an
+            # earlier step (no zero_grad) is not reduced twice.
+            if param.grad is not None and (
+                holding or (not reduced and (manual or not self._hooked[r][i]))
+            ):
                 self._views[r][i].copy_(param.grad)
-                self._fired[r][i] = self._fresh[r][i] = True
                 self._hook(r, i)
+                self._send(r, i, fresh=True)
             else:
                 self._views[r][i].zero_()
-            self._param_packed(r, i)
+                self._param_packed(r, i)
         exchange = replica.exchange
         # Every local replica has packed every bucket, so every all-reduce has started.
         exchange.barrier("gradients packed", cross_device=True)

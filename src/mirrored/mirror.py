@@ -211,9 +211,14 @@ class MirroredModule:
         return self.train(False)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """The current replica's gradients inside ``strategy.run``, every replica's outside."""
-        for module in [self._current()] if self._in_replica() else self.replicas:
-            module.zero_grad(set_to_none=set_to_none)
+        """The current replica's gradients inside ``strategy.run``, every replica's outside;
+        not a replica's inside a mirrored optimizer's accumulation window (they are the
+        window's so far)."""
+        replica = _replica_context_of(self._strategy)
+        ids = range(len(self.replicas)) if replica is None else [replica.local_replica_id]
+        for replica_id in ids:
+            if not self._strategy.holding_gradients(replica_id):
+                self.replicas[replica_id].zero_grad(set_to_none=set_to_none)
 
 
 class MirroredOptimizer:
@@ -236,8 +241,10 @@ class MirroredOptimizer:
         # reduce and update each parameter once, on its owner (sharded_update.py).
         shared_memory = len({p[0].device for p in self._params if p}) == 1
         self._sharded: ShardedUpdate | None = None
+        # With gradient accumulation, most steps only keep the gradients (accumulation.py).
+        self._window = strategy.accumulation_window()
         # Across processes, gradients are reduced while backward runs (gradient_reducer.py).
-        self._reducer = strategy.gradient_reducer(params)
+        self._reducer = strategy.gradient_reducer(params, self._window)
         if (
             self._reducer is None
             and len(optimizers) > 1
@@ -265,10 +272,37 @@ class MirroredOptimizer:
     def __repr__(self) -> str:
         return f"MirroredOptimizer(replicas={len(self.optimizers)}, optimizer={self.optimizer!r})"
 
+    @property
+    def accumulation_steps(self) -> int:
+        """How many ``step()`` calls make one update (the strategy's
+        ``gradient_accumulation_steps``)."""
+        return 1 if self._window is None else self._window.steps
+
+    @property
+    def step_updates(self) -> bool:
+        """Whether the current replica's next ``step()`` reduces and updates (False for the
+        first micro-steps of an accumulation window); replica 0's outside ``strategy.run``."""
+        replica = _replica_context_of(self._strategy)
+        return self._window is None or self._window.final(
+            0 if replica is None else replica.local_replica_id
+        )
+
+    def discard_gradients(self) -> None:
+        """Drop the current replica's gradients without an update, as a skipped step does (a
+        float16 overflow): a step that would update ends its accumulation window instead."""
+        replica = _replica_context_of(self._strategy)
+        if replica is None:
+            raise RuntimeError("discard_gradients() belongs inside strategy.run(), as step()")
+        if self._window is not None:
+            self._window.advance(replica.local_replica_id)
+        self.optimizers[replica.local_replica_id].zero_grad(set_to_none=True)
+
     def step(self, closure: Any = None) -> Any:
         """All-reduce (sum) the gradients of every replica, then update every replica.
 
-        Call it inside ``strategy.run``, on every replica, once per step.
+        Call it inside ``strategy.run``, on every replica, once per step. With the strategy's
+        ``gradient_accumulation_steps=k``, only every k-th call reduces and updates (with the
+        mean of the k steps' gradients); the others keep the gradients for it.
         """
         if closure is not None:
             raise TypeError(
@@ -290,10 +324,23 @@ class MirroredOptimizer:
         return torch._C.DisableTorchFunction() if self._plain_tensors else nullcontext()
 
     def _step(self, replica: ReplicaContext) -> Any:
+        window, replica_id = self._window, replica.local_replica_id
+        if window is None:
+            return self._update(replica)
+        # A micro-step that does not end the window keeps the gradients in param.grad.
+        result = self._update(replica) if window.final(replica_id) else None
+        window.advance(replica_id)
+        return result
+
+    def _update(self, replica: ReplicaContext) -> Any:
         if self._reducer is not None:
             return self._step_reduced(replica, self._reducer)
         replica_id = replica.local_replica_id
         optimizer = self.optimizers[replica_id]
+        if self._window is not None:  # the window's mean, before any replica sums it
+            for param in self._params[replica_id]:
+                if param.grad is not None:
+                    param.grad.mul_(self._window.scale)
         if replica.num_replicas_in_sync > 1:
             # Replica 0's hyperparameters as of this step (an LR schedule, a warm-up set inside
             # the replica function), snapshotted by replica 0 so that no replica reads its groups
@@ -380,16 +427,21 @@ class MirroredOptimizer:
                 buffer.copy_(value)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """The current replica's gradients inside ``strategy.run``, every replica's outside."""
+        """The current replica's gradients inside ``strategy.run``, every replica's outside;
+        inside an accumulation window, nothing (the gradients are the window's so far)."""
         replica = _replica_context_of(self._strategy)
-        targets = (
-            self.optimizers if replica is None else [self.optimizers[replica.local_replica_id]]
-        )
-        for optimizer in targets:
-            optimizer.zero_grad(set_to_none=set_to_none)
+        ids = range(len(self.optimizers)) if replica is None else [replica.local_replica_id]
+        for replica_id in ids:
+            if self._window is None or not self._window.holding(replica_id):
+                self.optimizers[replica_id].zero_grad(set_to_none=set_to_none)
 
     def resync(self) -> None:
-        """Give every replica's optimizer replica 0's state (after a step that failed midway)."""
+        """Give every replica's optimizer replica 0's state (after a step that failed midway);
+        an unfinished accumulation window is dropped with its gradients."""
+        if self._window is not None:
+            self._window.reset()
+            for optimizer in self.optimizers:
+                optimizer.zero_grad(set_to_none=True)
         if self._sharded is not None:
             self._sharded.share_state()
             return

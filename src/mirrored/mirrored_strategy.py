@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from mirrored import config
+from mirrored.accumulation import check_accumulation_steps
 from mirrored.config import DeviceSpec, LogicalDevice
 from mirrored.context import current_replica_context
 from mirrored.cross_device_ops import CrossDeviceOps, choose_cross_device_ops
@@ -39,6 +40,9 @@ class MirroredStrategy(Strategy):
             GPUs and HierarchicalCopyAllReduce otherwise.
         timeout_seconds: how long replicas wait for each other at a sync point before failing
             with an error naming the missing replica (None: forever).
+        gradient_accumulation_steps: k > 1 makes every ``optimizer.step()`` of a mirrored
+            optimizer a micro-step: the gradients of k steps are summed locally, reduced once,
+            averaged and applied at the k-th (:mod:`mirrored.accumulation`).
     """
 
     def __init__(
@@ -47,7 +51,9 @@ class MirroredStrategy(Strategy):
         cross_device_ops: CrossDeviceOps | None = None,
         *,
         timeout_seconds: float | None = 1800.0,
+        gradient_accumulation_steps: int = 1,
     ) -> None:
+        self.gradient_accumulation_steps = check_accumulation_steps(gradient_accumulation_steps)
         if isinstance(devices, (str, torch.device)):
             raise TypeError(
                 f"devices={devices!r}: expected a list of devices, such as [{str(devices)!r}]"

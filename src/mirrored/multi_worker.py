@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mirrored.accumulation import AccumulationWindow
 from mirrored.cluster_resolver import ClusterResolver, resolve_cluster
 from mirrored.config import DeviceSpec, LogicalDevice
 from mirrored.context import ReplicaContext
@@ -139,6 +140,8 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
             ``TF_CONFIG``, else a single local worker.
         devices: this worker's devices, as for MirroredStrategy (default: its GPUs, split
             evenly between the workers of its machine, else its logical CPU devices).
+        gradient_accumulation_steps: as for MirroredStrategy: one reduction across the workers
+            every k ``optimizer.step()`` calls; the backward passes in between send nothing.
     """
 
     def __init__(
@@ -146,6 +149,8 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         communication_options: CommunicationOptions | None = None,
         cluster_resolver: ClusterResolver | None = None,
         devices: Sequence[DeviceSpec | LogicalDevice] | None = None,
+        *,
+        gradient_accumulation_steps: int = 1,
     ) -> None:
         options = communication_options or CommunicationOptions()
         if not isinstance(options, CommunicationOptions):
@@ -161,7 +166,11 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         timeout = options.timeout_seconds or _DEFAULT_TIMEOUT_SECONDS
         if devices is None:
             devices = local_share(default_devices(), resolver)
-        super().__init__(devices, timeout_seconds=timeout)
+        super().__init__(
+            devices,
+            timeout_seconds=timeout,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+        )
         self.communication_options = options
         self.cluster_resolver = resolver
         try:
@@ -405,13 +414,14 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
                     tensor.copy_(part.view_as(tensor))
 
     def gradient_reducer(
-        self, params: Sequence[Sequence[nn.Parameter]]
+        self, params: Sequence[Sequence[nn.Parameter]], window: AccumulationWindow | None
     ) -> OverlappedGradientReducer:
         bytes_per_pack = self.communication_options.bytes_per_pack
         reducer = OverlappedGradientReducer(
             self,
             params,
             self._group,
+            window,
             bytes_per_pack or _BYTES_PER_PACK,
             0 if bytes_per_pack else _FIRST_PACK_BYTES,
         )

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, overload
 import torch
 
 from mirrored import context
+from mirrored.accumulation import AccumulationWindow
 from mirrored.bucketing import PackedTensors
 from mirrored.config import LogicalDevice, list_logical_devices
 from mirrored.cross_device_ops import CrossDeviceOps, HierarchicalCopyAllReduce
@@ -54,6 +55,9 @@ class Strategy:
     # Whether ``param.grad`` holds a replica's gradient between ``loss.backward()`` and
     # ``optimizer.step()`` (so that it can be unscaled or clipped there).
     gradients_after_backward = True
+    # How many ``optimizer.step()`` calls of a mirrored optimizer make one update
+    # (:mod:`mirrored.accumulation`); only the mirrored strategies take another value.
+    gradient_accumulation_steps = 1
 
     def __init__(
         self,
@@ -69,6 +73,7 @@ class Strategy:
         self.cross_device_ops = cross_device_ops
         self.timeout_seconds = timeout_seconds
         self._replicated: weakref.WeakSet[Replicated] = weakref.WeakSet()
+        self._windows: weakref.WeakSet[AccumulationWindow] = weakref.WeakSet()
         self._run_lock = threading.Lock()
         # Each local replica's context while a run is under way (None between runs): autograd
         # hooks, which may run on autograd's device threads, find their step's exchange here.
@@ -411,11 +416,25 @@ class Strategy:
         return mirror_module(self, module, optimizer, sync_batch_norm=sync_batch_norm)
 
     def gradient_reducer(
-        self, params: Sequence[Sequence[torch.nn.Parameter]]
+        self, params: Sequence[Sequence[torch.nn.Parameter]], window: AccumulationWindow | None
     ) -> OverlappedGradientReducer | None:
         """What reduces the gradients of a mirrored optimizer's ``params`` (each local replica's)
-        during backward; None: ``optimizer.step()`` all-reduces them (one process)."""
+        during backward; None: ``optimizer.step()`` all-reduces them (one process). ``window``:
+        the optimizer's accumulation window, if it accumulates."""
         return None
+
+    def accumulation_window(self) -> AccumulationWindow | None:
+        """A new mirrored optimizer's window of micro-steps (None: it updates at every step)."""
+        if self.gradient_accumulation_steps == 1:
+            return None
+        window = AccumulationWindow(self.gradient_accumulation_steps, len(self.devices))
+        self._windows.add(window)
+        return window
+
+    def holding_gradients(self, local_replica_id: int) -> bool:
+        """Whether a mirrored optimizer is inside an accumulation window on this replica: its
+        gradients are the window's so far, and ``zero_grad()`` leaves them."""
+        return any(window.holding(local_replica_id) for window in list(self._windows))
 
     # -- lifetime ---------------------------------------------------------------------------------
     def close(self) -> None:

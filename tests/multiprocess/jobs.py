@@ -24,7 +24,7 @@ from tests.reference_loops import OPTIMIZERS, make_batches, make_mlp, train_mirr
 
 
 def _strategy(
-    timeout_seconds: float = 60, bytes_per_pack: int = 0
+    timeout_seconds: float = 60, bytes_per_pack: int = 0, gradient_accumulation_steps: int = 1
 ) -> mirrored.MultiWorkerMirroredStrategy:
     """AUTO sums CPU tensors through shared memory between workers on one machine; tests of
     gloo's path set MIRRORED_TEST_IMPLEMENTATION=RING."""
@@ -34,7 +34,8 @@ def _strategy(
             bytes_per_pack=bytes_per_pack,
             timeout_seconds=timeout_seconds,
             implementation=mirrored.CommunicationImplementation[implementation],
-        )
+        ),
+        gradient_accumulation_steps=gradient_accumulation_steps,
     )
 
 
@@ -57,10 +58,17 @@ def _training_step(
 
 
 def custom_loop(
-    out: Path, optimizer: str = "sgd", user_group: str = "", bytes_per_pack: str = "0"
+    out: Path,
+    optimizer: str = "sgd",
+    user_group: str = "",
+    bytes_per_pack: str = "0",
+    accumulation: str = "1",
+    keep_zeroed_gradients: str = "",
 ) -> None:
     """The reference custom loop on the MLP, ragged last batch included; with ``user_group``
-    the program sets up torch.distributed itself first and keeps its group afterwards."""
+    the program sets up torch.distributed itself first and keeps its group afterwards; with
+    ``accumulation`` k, one update every k steps; with ``keep_zeroed_gradients``,
+    ``zero_grad(set_to_none=False)``."""
     if user_group:
         torch.distributed.init_process_group("gloo")
     sizes: dict[str, list[int]] = {"gloo": [], "shared memory": []}
@@ -77,11 +85,17 @@ def custom_loop(
     shared = SameHostAllReduce
     shared.all_reduce_async = counting("shared memory", shared.all_reduce_async)  # type: ignore[method-assign]
     torch.distributed.all_reduce = counting("gloo", torch.distributed.all_reduce)
-    with _strategy(bytes_per_pack=int(bytes_per_pack)) as strategy:
+    with _strategy(
+        bytes_per_pack=int(bytes_per_pack), gradient_accumulation_steps=int(accumulation)
+    ) as strategy:
         # Each worker initialises differently: mirror gives every worker the chief's values.
         model = make_mlp(seed=1 + strategy.worker_group.rank)
         mirrored_model, _, losses = train_mirrored(
-            strategy, model, OPTIMIZERS[optimizer](model), make_batches()
+            strategy,
+            model,
+            OPTIMIZERS[optimizer](model),
+            make_batches(),
+            set_to_none=not keep_zeroed_gradients,
         )
         replicas = [r.state_dict() for r in mirrored_model.replicas]
         _save(strategy, out, {"losses": losses, "replicas": replicas, "all_reduces": sizes})

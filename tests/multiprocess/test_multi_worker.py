@@ -28,6 +28,7 @@ from tests.reference_loops import (
     OPTIMIZERS,
     make_batches,
     make_mlp,
+    merge_batches,
     train_plain,
 )
 
@@ -102,6 +103,44 @@ def test_custom_loop_equals_one_device(
     for result in results:
         for replica in result["replicas"]:
             assert all(torch.equal(replica[k], v) for k, v in first.items())
+
+
+@pytest.mark.parametrize(
+    ("logical_devices", "accumulation", "implementation", "keep_zeroed_gradients"),
+    [(2, 2, "AUTO", ""), (1, 3, "RING", "zero_grad(set_to_none=False)")],
+)
+def test_accumulated_steps_reduce_once_per_window_and_equal_one_device_on_the_larger_batch(
+    tmp_path: Path,
+    logical_devices: int,
+    accumulation: int,
+    implementation: str,
+    keep_zeroed_gradients: str,
+) -> None:
+    workers = run_workers(
+        "custom_loop",
+        tmp_path,
+        args=["adam", "", "0", str(accumulation), keep_zeroed_gradients],
+        logical_devices=logical_devices,
+        env=_implementation(implementation),
+    )
+    assert_all_succeeded(workers)
+    larger = merge_batches(make_batches(), accumulation)  # 13 batches of 16, the last of 11
+    windows = len(larger)
+    model = make_mlp()
+    losses = train_plain(model, OPTIMIZERS["adam"](model), larger)
+    results = _results(tmp_path)
+    # One all-reduce of the gradients per window: the micro-steps in between send nothing, and
+    # the unfinished last window never reaches an update.
+    transport = "gloo" if implementation == "RING" else "shared memory"
+    assert [n for n in results[0]["all_reduces"][transport] if n > 1] == [1029 + 6] * windows
+    for result in results:
+        for replica in result["replicas"]:
+            _assert_close(model.state_dict(), replica)
+        window_losses = [
+            sum(result["losses"][w * accumulation : (w + 1) * accumulation]) / accumulation
+            for w in range(windows)
+        ]
+        torch.testing.assert_close(window_losses, losses, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("num_workers", [2, 3])

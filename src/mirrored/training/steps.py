@@ -160,19 +160,26 @@ class Steps:
                 (loss * loss_scale.scale).backward()
             else:
                 loss.backward()
+            # With gradient accumulation most steps only add to the gradients: schedules count
+            # updates, and float16's loss scale is checked and moved at updates only.
+            accumulation = getattr(self.optimizer, "accumulation_steps", 1)
+            updates = getattr(self.optimizer, "step_updates", True)
             if first_replica and self.schedule is not None:
-                learning_rate = self.schedule.learning_rate_at(first_iteration + offset)
+                update = (first_iteration + offset) // accumulation
+                learning_rate = self.schedule.learning_rate_at(update)
                 for group in self.optimizer.param_groups:
                     group["lr"] = learning_rate
-            updated = True
-            if self.precision == "16-mixed":
-                found_nonfinite = self._unscale_gradients(loss_scale.scale)
-                loss_scale = loss_scale.after_step(found_nonfinite)
-                updated = not found_nonfinite
-            if updated:
+            skipped = False
+            if updates and self.precision == "16-mixed":
+                skipped = self._unscale_gradients(loss_scale.scale)
+                loss_scale = loss_scale.after_step(skipped)
+            if skipped:
+                discard = getattr(self.optimizer, "discard_gradients", self.optimizer.zero_grad)
+                discard()
+            else:
                 self.optimizer.step()
             self.optimizer.zero_grad()
-            if updated and first_replica and self.lr_scheduler is not None:
+            if updates and not skipped and first_replica and self.lr_scheduler is not None:
                 self.lr_scheduler.step()
             with torch.no_grad():
                 state = self.metrics.batch_state(loss_sum, count, y, y_pred, sample_weight)
