@@ -92,21 +92,26 @@ def train_mirrored(
 ) -> tuple[mirrored.MirroredModule, mirrored.MirroredOptimizer, list[float]]:
     """The issue's program, verbatim in spirit (``set_to_none``: how it zeroes gradients)."""
     mirrored_model, mirrored_optimizer = strategy.mirror(model, optimizer)
-
-    def step(batch: Batch) -> torch.Tensor:
-        x, y = batch
-        loss = mirrored.compute_average_loss(
-            F.cross_entropy(mirrored_model(x), y, reduction="none")
-        )
-        loss.backward()
-        mirrored_optimizer.step()
-        mirrored_optimizer.zero_grad(set_to_none=set_to_none)
-        return loss
-
     losses = []
     for batch in strategy.experimental_distribute_dataset(batches):
-        losses.append(strategy.reduce("sum", strategy.run(step, args=(batch,)), axis=None).item())
+        args = (batch, mirrored_model, mirrored_optimizer, set_to_none)
+        losses.append(strategy.reduce("sum", strategy.run(replica_step, args), axis=None).item())
     return mirrored_model, mirrored_optimizer, losses
+
+
+def replica_step(
+    batch: Batch,
+    model: mirrored.MirroredModule,
+    optimizer: mirrored.MirroredOptimizer,
+    set_to_none: bool = True,
+) -> torch.Tensor:
+    """What each replica runs: the loss over the global batch, backward, the update."""
+    x, y = batch
+    loss = mirrored.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"))
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=set_to_none)
+    return loss
 
 
 def assert_same_parameters(

@@ -30,6 +30,7 @@ from mirrored.cross_device_ops import (
     ReductionToOneDevice,
 )
 from mirrored.input import DistributedDataset, InputContext, ValueContext
+from mirrored.local_sgd import LocalSGD
 from mirrored.losses import compute_average_loss
 from mirrored.mirror import MirroredModule, MirroredOptimizer
 from mirrored.mirrored_strategy import MirroredStrategy
@@ -56,6 +57,7 @@ __all__ = [
     "DistributedDataset",
     "HierarchicalCopyAllReduce",
     "InputContext",
+    "LocalSGD",
     "Model",
     "MirroredModule",
     "MirroredOptimizer",

@@ -44,6 +44,7 @@ from mirrored.bucketing import plan_buckets
 
 if TYPE_CHECKING:
     from mirrored.accumulation import AccumulationWindow
+    from mirrored.local_sgd import LocalSteps
     from mirrored.strategy import Strategy
     from mirrored.worker_group import PendingCollective, WorkerGroup
 
@@ -63,6 +64,7 @@ class OverlappedGradientReducer:
         params: each local replica's trainable parameters, in the same order.
         group: the workers' process group.
         window: the optimizer's accumulation window (None: every step reduces).
+        local: the optimizer's local SGD schedule (None: every update reduces).
         bytes_per_pack: bucket size in bytes; ``first_pack_bytes`` caps the first bucket.
     """
 
@@ -72,12 +74,14 @@ class OverlappedGradientReducer:
         params: Sequence[Sequence[nn.Parameter]],
         group: WorkerGroup,
         window: AccumulationWindow | None,
+        local: LocalSteps | None,
         bytes_per_pack: int,
         first_pack_bytes: int,
     ) -> None:
         self._strategy = strategy
         self._group = group
         self._window = window
+        self._local = local
         self._params = [list(p) for p in params]
         num_local = len(self._params)
         first = self._params[0]
@@ -169,6 +173,8 @@ class OverlappedGradientReducer:
             return None  # backward outside strategy.run, or autograd.grad: nothing to reduce
         if self._window is not None and not self._window.final(r):
             return None  # an accumulation window's micro-step: autograd sums it in param.grad
+        if self._local is not None and self._local.local(r):
+            return None  # a local SGD update uses this replica's own gradient
         if not self._in_pass[r]:
             self._in_pass[r] = True
             torch.autograd.Variable._execution_engine.queue_callback(

@@ -243,10 +243,13 @@ class MirroredOptimizer:
         self._sharded: ShardedUpdate | None = None
         # With gradient accumulation, most steps only keep the gradients (accumulation.py).
         self._window = strategy.accumulation_window()
+        # With local SGD, most updates are each replica's own (local_sgd.py).
+        self._local = strategy.local_steps()
         # Across processes, gradients are reduced while backward runs (gradient_reducer.py).
-        self._reducer = strategy.gradient_reducer(params, self._window)
+        self._reducer = strategy.gradient_reducer(params, self._window, self._local)
         if (
             self._reducer is None
+            and self._local is None  # its replicas keep optimizer states of their own
             and len(optimizers) > 1
             and shared_memory
             and isinstance(strategy.cross_device_ops, HierarchicalCopyAllReduce)
@@ -333,30 +336,72 @@ class MirroredOptimizer:
         return result
 
     def _update(self, replica: ReplicaContext) -> Any:
+        local, replica_id = self._local, replica.local_replica_id
+        if local is None:
+            return self._synchronous_update(replica)
+        if local.local(replica_id):
+            result = self._local_update(replica, average=local.averages(replica_id))
+        else:
+            result = self._synchronous_update(replica)
+        local.advance(replica_id)
+        return result
+
+    def _scale_gradients(self, replica_id: int, factor: float) -> None:
+        if factor != 1:
+            for param in self._params[replica_id]:
+                if param.grad is not None:
+                    param.grad.mul_(factor)
+
+    def _hyperparameters(self, replica_id: int) -> list[dict[str, Any]] | None:
+        """Replica 0's hyperparameters as of this step (an LR schedule, a warm-up set inside
+        the replica function), snapshotted by replica 0 so that no replica reads its groups
+        while it changes them; the other replicas post None."""
+        if replica_id:
+            return None
+        return [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+
+    def _take_hyperparameters(self, replica_id: int, snapshot: Any) -> None:
+        """Give replica ``replica_id``'s optimizer replica 0's ``snapshot``."""
+        if replica_id:
+            for group, values in zip(
+                self.optimizers[replica_id].param_groups, snapshot, strict=True
+            ):
+                group.update(values)
+
+    def _local_update(self, replica: ReplicaContext, average: bool) -> Any:
+        """Local SGD: this replica's own update with its own shard's gradient, then, every
+        ``period`` updates, the mean of every replica's parameters (:mod:`mirrored.local_sgd`)."""
+        replica_id = replica.local_replica_id
+        window_scale = 1.0 if self._window is None else self._window.scale
+        self._scale_gradients(replica_id, replica.num_replicas_in_sync * window_scale)
+        if len(self.optimizers) > 1:
+            posted = replica.exchange.all("optimizer.step", self._hyperparameters(replica_id))
+            self._take_hyperparameters(replica_id, posted[0])
+        result = self.optimizers[replica_id].step()
+        if average:
+            tensors = [p.data for p in self._params[replica_id]] + self._running_stats[replica_id]
+            averaged = self._strategy.all_reduce_tensors(replica, ReduceOp.MEAN, tensors)
+            with torch.no_grad():
+                for tensor, value in zip(tensors, averaged, strict=True):
+                    tensor.copy_(value)
+        return result
+
+    def _synchronous_update(self, replica: ReplicaContext) -> Any:
         if self._reducer is not None:
             return self._step_reduced(replica, self._reducer)
         replica_id = replica.local_replica_id
         optimizer = self.optimizers[replica_id]
         if self._window is not None:  # the window's mean, before any replica sums it
-            for param in self._params[replica_id]:
-                if param.grad is not None:
-                    param.grad.mul_(self._window.scale)
+            self._scale_gradients(replica_id, self._window.scale)
         if replica.num_replicas_in_sync > 1:
-            # Replica 0's hyperparameters as of this step (an LR schedule, a warm-up set inside
-            # the replica function), snapshotted by replica 0 so that no replica reads its groups
-            # while it changes them.
-            # It travels with the gradients: one sync point opens the step.
-            snapshot = None
-            if replica_id == 0:
-                snapshot = [
-                    {k: v for k, v in g.items() if k != "params"} for g in self.param_groups
-                ]
+            # Replica 0's hyperparameters travel with the gradients: one sync point opens the
+            # step.
             _check_dense(self._params[replica_id])
             grads = [p.grad for p in self._params[replica_id]]
-            posted = replica.exchange.all("optimizer.step", (snapshot, grads))
-            if replica_id:
-                for group, values in zip(optimizer.param_groups, posted[0][0], strict=True):
-                    group.update(values)
+            posted = replica.exchange.all(
+                "optimizer.step", (self._hyperparameters(replica_id), grads)
+            )
+            self._take_hyperparameters(replica_id, posted[0][0])
             everyone = [peer_grads for _, peer_grads in posted]
             if self._sharded is not None:
                 self._sharded.reduce_gradients(replica_id, everyone)
@@ -377,15 +422,8 @@ class MirroredOptimizer:
         _check_dense(self._params[replica_id])
         reducer.finish_pass(replica_id)  # a step with no backward: reduce what is there
         if len(self.optimizers) > 1:
-            snapshot = None
-            if replica_id == 0:
-                snapshot = [
-                    {k: v for k, v in g.items() if k != "params"} for g in self.param_groups
-                ]
-            posted = replica.exchange.all("optimizer.step", snapshot)
-            if replica_id:
-                for group, values in zip(optimizer.param_groups, posted[0], strict=True):
-                    group.update(values)
+            posted = replica.exchange.all("optimizer.step", self._hyperparameters(replica_id))
+            self._take_hyperparameters(replica_id, posted[0])
         if self._running_stats[replica_id]:
             self._average_running_stats(replica)
         result = optimizer.step()
@@ -442,6 +480,8 @@ class MirroredOptimizer:
             self._window.reset()
             for optimizer in self.optimizers:
                 optimizer.zero_grad(set_to_none=True)
+        if self._local is not None:
+            self._local.align()
         if self._sharded is not None:
             self._sharded.share_state()
             return

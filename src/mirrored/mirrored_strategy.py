@@ -15,6 +15,7 @@ from mirrored.config import DeviceSpec, LogicalDevice
 from mirrored.context import current_replica_context
 from mirrored.cross_device_ops import CrossDeviceOps, choose_cross_device_ops
 from mirrored.device_runtime import ReplicaDeviceRuntime, cap_process_memory
+from mirrored.local_sgd import LocalSGD
 from mirrored.randomness import ReplicaRandomness, StepSeed
 from mirrored.rendezvous import Rendezvous
 from mirrored.replica_workers import Outcome, ReplicaWorkers
@@ -43,6 +44,9 @@ class MirroredStrategy(Strategy):
         gradient_accumulation_steps: k > 1 makes every ``optimizer.step()`` of a mirrored
             optimizer a micro-step: the gradients of k steps are summed locally, reduced once,
             averaged and applied at the k-th (:mod:`mirrored.accumulation`).
+        local_sgd: ``LocalSGD(period, warmup_steps)``: after the warm-up, each replica updates
+            with its own gradient and the parameters are averaged every ``period`` updates
+            (:mod:`mirrored.local_sgd`). None: every update all-reduces the gradients.
     """
 
     def __init__(
@@ -52,8 +56,14 @@ class MirroredStrategy(Strategy):
         *,
         timeout_seconds: float | None = 1800.0,
         gradient_accumulation_steps: int = 1,
+        local_sgd: LocalSGD | None = None,
     ) -> None:
         self.gradient_accumulation_steps = check_accumulation_steps(gradient_accumulation_steps)
+        if local_sgd is not None and not isinstance(local_sgd, LocalSGD):
+            raise TypeError(
+                f"local_sgd={local_sgd!r}: expected mirrored.LocalSGD(period=..., warmup_steps=...)"
+            )
+        self.local_sgd = local_sgd
         if isinstance(devices, (str, torch.device)):
             raise TypeError(
                 f"devices={devices!r}: expected a list of devices, such as [{str(devices)!r}]"

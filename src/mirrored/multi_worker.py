@@ -36,6 +36,7 @@ from mirrored.input import (
     refuse_distributed_sampler,
     shardable_loader,
 )
+from mirrored.local_sgd import LocalSGD, LocalSteps
 from mirrored.mirror import MirroredModule, MirroredOptimizer, tensors_of
 from mirrored.mirrored_strategy import MirroredStrategy, default_devices
 from mirrored.rendezvous import ReplicaExchange
@@ -142,6 +143,8 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
             evenly between the workers of its machine, else its logical CPU devices).
         gradient_accumulation_steps: as for MirroredStrategy: one reduction across the workers
             every k ``optimizer.step()`` calls; the backward passes in between send nothing.
+        local_sgd: as for MirroredStrategy: local updates send nothing; the averages of the
+            parameters cross the workers.
     """
 
     def __init__(
@@ -151,6 +154,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         devices: Sequence[DeviceSpec | LogicalDevice] | None = None,
         *,
         gradient_accumulation_steps: int = 1,
+        local_sgd: LocalSGD | None = None,
     ) -> None:
         options = communication_options or CommunicationOptions()
         if not isinstance(options, CommunicationOptions):
@@ -170,6 +174,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
             devices,
             timeout_seconds=timeout,
             gradient_accumulation_steps=gradient_accumulation_steps,
+            local_sgd=local_sgd,
         )
         self.communication_options = options
         self.cluster_resolver = resolver
@@ -414,7 +419,10 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
                     tensor.copy_(part.view_as(tensor))
 
     def gradient_reducer(
-        self, params: Sequence[Sequence[nn.Parameter]], window: AccumulationWindow | None
+        self,
+        params: Sequence[Sequence[nn.Parameter]],
+        window: AccumulationWindow | None,
+        local: LocalSteps | None,
     ) -> OverlappedGradientReducer:
         bytes_per_pack = self.communication_options.bytes_per_pack
         reducer = OverlappedGradientReducer(
@@ -422,6 +430,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
             params,
             self._group,
             window,
+            local,
             bytes_per_pack or _BYTES_PER_PACK,
             0 if bytes_per_pack else _FIRST_PACK_BYTES,
         )

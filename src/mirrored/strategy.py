@@ -30,6 +30,7 @@ from mirrored.input import (
     distribute_replica_batches,
     global_batch_size_of,
 )
+from mirrored.local_sgd import LocalSGD, LocalSteps
 from mirrored.rendezvous import Rendezvous, ReplicaAbortedError, ReplicaExchange
 from mirrored.replica_workers import Outcome
 from mirrored.values import PerReplica, ReduceOp, flatten, map_structure, regroup, select_replica
@@ -58,6 +59,9 @@ class Strategy:
     # How many ``optimizer.step()`` calls of a mirrored optimizer make one update
     # (:mod:`mirrored.accumulation`); only the mirrored strategies take another value.
     gradient_accumulation_steps = 1
+    # Periodic parameter averaging instead of a gradient all-reduce per update
+    # (:mod:`mirrored.local_sgd`); only the mirrored strategies take one.
+    local_sgd: LocalSGD | None = None
 
     def __init__(
         self,
@@ -416,12 +420,22 @@ class Strategy:
         return mirror_module(self, module, optimizer, sync_batch_norm=sync_batch_norm)
 
     def gradient_reducer(
-        self, params: Sequence[Sequence[torch.nn.Parameter]], window: AccumulationWindow | None
+        self,
+        params: Sequence[Sequence[torch.nn.Parameter]],
+        window: AccumulationWindow | None,
+        local: LocalSteps | None,
     ) -> OverlappedGradientReducer | None:
         """What reduces the gradients of a mirrored optimizer's ``params`` (each local replica's)
         during backward; None: ``optimizer.step()`` all-reduces them (one process). ``window``:
-        the optimizer's accumulation window, if it accumulates."""
+        the optimizer's accumulation window, if it accumulates; ``local``: its local SGD
+        schedule, if any (local updates reduce nothing)."""
         return None
+
+    def local_steps(self) -> LocalSteps | None:
+        """A new mirrored optimizer's local SGD schedule (None: every update is synchronous)."""
+        if self.local_sgd is None:
+            return None
+        return LocalSteps(self.local_sgd, len(self.devices))
 
     def accumulation_window(self) -> AccumulationWindow | None:
         """A new mirrored optimizer's window of micro-steps (None: it updates at every step)."""

@@ -24,7 +24,10 @@ from tests.reference_loops import OPTIMIZERS, make_batches, make_mlp, train_mirr
 
 
 def _strategy(
-    timeout_seconds: float = 60, bytes_per_pack: int = 0, gradient_accumulation_steps: int = 1
+    timeout_seconds: float = 60,
+    bytes_per_pack: int = 0,
+    gradient_accumulation_steps: int = 1,
+    local_sgd: mirrored.LocalSGD | None = None,
 ) -> mirrored.MultiWorkerMirroredStrategy:
     """AUTO sums CPU tensors through shared memory between workers on one machine; tests of
     gloo's path set MIRRORED_TEST_IMPLEMENTATION=RING."""
@@ -36,6 +39,7 @@ def _strategy(
             implementation=mirrored.CommunicationImplementation[implementation],
         ),
         gradient_accumulation_steps=gradient_accumulation_steps,
+        local_sgd=local_sgd,
     )
 
 
@@ -64,11 +68,12 @@ def custom_loop(
     bytes_per_pack: str = "0",
     accumulation: str = "1",
     keep_zeroed_gradients: str = "",
+    local_sgd_period: str = "",
 ) -> None:
     """The reference custom loop on the MLP, ragged last batch included; with ``user_group``
     the program sets up torch.distributed itself first and keeps its group afterwards; with
     ``accumulation`` k, one update every k steps; with ``keep_zeroed_gradients``,
-    ``zero_grad(set_to_none=False)``."""
+    ``zero_grad(set_to_none=False)``; with ``local_sgd_period``, local SGD."""
     if user_group:
         torch.distributed.init_process_group("gloo")
     sizes: dict[str, list[int]] = {"gloo": [], "shared memory": []}
@@ -86,7 +91,9 @@ def custom_loop(
     shared.all_reduce_async = counting("shared memory", shared.all_reduce_async)  # type: ignore[method-assign]
     torch.distributed.all_reduce = counting("gloo", torch.distributed.all_reduce)
     with _strategy(
-        bytes_per_pack=int(bytes_per_pack), gradient_accumulation_steps=int(accumulation)
+        bytes_per_pack=int(bytes_per_pack),
+        gradient_accumulation_steps=int(accumulation),
+        local_sgd=mirrored.LocalSGD(int(local_sgd_period)) if local_sgd_period else None,
     ) as strategy:
         # Each worker initialises differently: mirror gives every worker the chief's values.
         model = make_mlp(seed=1 + strategy.worker_group.rank)

@@ -143,6 +143,40 @@ def test_accumulated_steps_reduce_once_per_window_and_equal_one_device_on_the_la
         torch.testing.assert_close(window_losses, losses, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize(("logical_devices", "period"), [(1, 1), (2, 3)])
+def test_local_sgd_across_workers_sends_only_the_periodic_averages(
+    tmp_path: Path, logical_devices: int, period: int
+) -> None:
+    workers = run_workers(
+        "custom_loop",
+        tmp_path,
+        args=["sgd", "", "0", "1", "", str(period)],
+        logical_devices=logical_devices,
+    )
+    assert_all_succeeded(workers)
+    results = _results(tmp_path)
+    steps = len(make_batches())
+    # No gradient all-reduce (those carry a count per parameter: 1029 + 6); one all-reduce of
+    # the 1029 parameters per period.
+    sizes = [n for n in results[0]["all_reduces"]["shared memory"] if n > 1]
+    assert sizes == [1029] * (steps // period)
+    if period == 1:  # plain SGD averaged after every update: synchronous training
+        model = make_mlp()
+        train_plain(model, OPTIMIZERS["sgd"](model), make_batches())
+        for result in results:
+            for replica in result["replicas"]:
+                _assert_close(model.state_dict(), replica)
+    # The last update (13 = 4 * 3 + 1) is not followed by an average when period == 3.
+    first = results[0]["replicas"][0]
+    identical = all(
+        torch.equal(replica[k], v)
+        for result in results
+        for replica in result["replicas"]
+        for k, v in first.items()
+    )
+    assert identical == (steps % period == 0)
+
+
 @pytest.mark.parametrize("num_workers", [2, 3])
 def test_workers_on_one_machine_sum_through_shared_memory_as_gloo_does(
     tmp_path: Path, num_workers: int
