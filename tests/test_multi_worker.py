@@ -40,6 +40,8 @@ def test_options_are_checked() -> None:
         mirrored.CommunicationOptions(timeout_seconds=0)
     with pytest.raises(TypeError, match="implementation='NCCL'"):
         mirrored.CommunicationOptions(implementation="NCCL")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"compression='int8': expected one of \['bf16', 'fp16'\]"):
+        mirrored.CommunicationOptions(compression="int8")
     with pytest.raises(TypeError, match="communication_options"):
         mirrored.MultiWorkerMirroredStrategy(communication_options={"timeout_seconds": 3})  # type: ignore[arg-type]
 

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from mirrored.accumulation import AccumulationWindow
     from mirrored.local_sgd import LocalSteps
     from mirrored.strategy import Strategy
+    from mirrored.wire_compression import SixteenBitSum
     from mirrored.worker_group import PendingCollective, WorkerGroup
 
 __all__ = ["OverlappedGradientReducer"]
@@ -65,6 +66,7 @@ class OverlappedGradientReducer:
         group: the workers' process group.
         window: the optimizer's accumulation window (None: every step reduces).
         local: the optimizer's local SGD schedule (None: every update reduces).
+        wire_dtype: the 16-bit type gradients cross the network in (None: their own).
         bytes_per_pack: bucket size in bytes; ``first_pack_bytes`` caps the first bucket.
     """
 
@@ -75,6 +77,7 @@ class OverlappedGradientReducer:
         group: WorkerGroup,
         window: AccumulationWindow | None,
         local: LocalSteps | None,
+        wire_dtype: torch.dtype | None,
         bytes_per_pack: int,
         first_pack_bytes: int,
     ) -> None:
@@ -82,6 +85,7 @@ class OverlappedGradientReducer:
         self._group = group
         self._window = window
         self._local = local
+        self._wire_dtype = wire_dtype
         self._params = [list(p) for p in params]
         num_local = len(self._params)
         first = self._params[0]
@@ -151,7 +155,7 @@ class OverlappedGradientReducer:
         # Shared by the local replicas.
         self._packed = [0] * len(self._buckets)
         self._next_launch = 0
-        self._pending: list[PendingCollective | None] = [None] * len(self._buckets)
+        self._pending: list[PendingCollective | SixteenBitSum | None] = [None] * len(self._buckets)
 
     def _hook(self, r: int, i: int) -> None:
         """Watch parameter ``i`` of replica ``r`` (only possible while it requires grad)."""
@@ -259,7 +263,7 @@ class OverlappedGradientReducer:
         for buffers in self._buffers[1:]:
             total.add_(buffers[b].to(total.device, non_blocking=True))
         label = f"gradients: bucket {b + 1} of {len(self._buckets)}"
-        self._pending[b] = self._group.all_reduce_async(total, label)
+        self._pending[b] = self._group.all_reduce_async(total, label, self._wire_dtype)
 
     # -- the end of a pass ------------------------------------------------------------------------
     def finish_pass(self, r: int) -> None:

@@ -41,6 +41,7 @@ from mirrored.mirror import MirroredModule, MirroredOptimizer, tensors_of
 from mirrored.mirrored_strategy import MirroredStrategy, default_devices
 from mirrored.rendezvous import ReplicaExchange
 from mirrored.values import PerReplica, ReduceOp, fingerprint, map_structure
+from mirrored.wire_compression import WIRE_DTYPES
 from mirrored.worker_group import PendingCollective, WorkerGroup
 
 __all__ = ["CommunicationImplementation", "CommunicationOptions", "MultiWorkerMirroredStrategy"]
@@ -73,11 +74,15 @@ class CommunicationOptions:
         timeout_seconds: how long any collective waits for the other workers before failing
             with an error naming the missing one; None: 30 minutes (never forever).
         implementation: ``CommunicationImplementation``.
+        compression: "bf16" or "fp16": float32 gradients cross the network in 16 bits (half the
+            bytes) and are summed in float32 (:mod:`mirrored.wire_compression`); workers that
+            sum through shared memory on one machine send them whole. None: float32.
     """
 
     bytes_per_pack: int = 0
     timeout_seconds: float | None = None
     implementation: CommunicationImplementation = CommunicationImplementation.AUTO
+    compression: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.bytes_per_pack, int) or self.bytes_per_pack < 0:
@@ -92,6 +97,11 @@ class CommunicationOptions:
             raise TypeError(
                 f"implementation={self.implementation!r}: expected a "
                 "mirrored.CommunicationImplementation (AUTO, RING or NCCL)"
+            )
+        if self.compression is not None and self.compression not in WIRE_DTYPES:
+            raise ValueError(
+                f"compression={self.compression!r}: expected one of {sorted(WIRE_DTYPES)} "
+                "(gradients in 16 bits on the wire) or None"
             )
 
 
@@ -431,6 +441,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
             self._group,
             window,
             local,
+            WIRE_DTYPES.get(self.communication_options.compression or ""),
             bytes_per_pack or _BYTES_PER_PACK,
             0 if bytes_per_pack else _FIRST_PACK_BYTES,
         )

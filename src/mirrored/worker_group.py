@@ -41,6 +41,7 @@ import torch.distributed as dist
 from mirrored.cluster_resolver import ClusterResolver
 from mirrored.rendezvous import SyncMismatchError, SyncTimeoutError
 from mirrored.same_host_all_reduce import LocalReduceError, SameHostAllReduce
+from mirrored.wire_compression import SixteenBitSum
 
 __all__ = [
     "PendingCollective",
@@ -55,6 +56,9 @@ _HEARTBEAT_SECONDS = 0.5
 _FAILED = "failed: "  # a worker's published position once its step failed (``abort``)
 # How long a worker's heartbeat may stand still before it counts as dead or frozen.
 _STALE_SECONDS = 4 * _HEARTBEAT_SECONDS
+# torch 2.13 renamed all_gather_into_tensor (still there, deprecated); older releases lack the new
+# name.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class WorkerLostError(RuntimeError):
@@ -182,13 +186,39 @@ class WorkerGroup:
         return self.rank == 0
 
     # -- collectives ------------------------------------------------------------------------------
-    def all_reduce_async(self, tensor: torch.Tensor, label: str) -> PendingCollective:
-        """Start summing ``tensor`` over every worker, in place."""
+    def all_reduce_async(
+        self, tensor: torch.Tensor, label: str, wire_dtype: torch.dtype | None = None
+    ) -> PendingCollective | SixteenBitSum:
+        """Start summing ``tensor`` over every worker, in place. ``wire_dtype`` (bfloat16 or
+        float16): a float32 tensor crosses the network in it and is summed in float32
+        (:mod:`mirrored.wire_compression`); shared memory between workers of one machine
+        always carries the full tensor."""
+        shared = self._same_host is not None and self._same_host.supports(tensor)
+        if wire_dtype is not None and not shared and tensor.dtype == torch.float32:
+            return SixteenBitSum(self, tensor, wire_dtype, label)
         with self._collective(_signed(label, tensor)) as position:
-            if self._same_host is not None and self._same_host.supports(tensor):
+            if shared:
+                assert self._same_host is not None
                 work: Any = self._same_host.all_reduce_async(tensor)
             else:
                 work = dist.all_reduce(tensor, async_op=True)
+        return PendingCollective(self, work, position)
+
+    def all_to_all_async(
+        self, output: torch.Tensor, tensor: torch.Tensor, label: str
+    ) -> PendingCollective:
+        """Start sending the i-th of ``world_size`` equal chunks of ``tensor`` to worker i;
+        chunk j of ``output`` comes from worker j."""
+        with self._collective(_signed(label, tensor)) as position:
+            work = dist.all_to_all_single(output, tensor, async_op=True)
+        return PendingCollective(self, work, position)
+
+    def all_gather_into_async(
+        self, output: torch.Tensor, tensor: torch.Tensor, label: str
+    ) -> PendingCollective:
+        """Start gathering every worker's ``tensor`` end to end into ``output``, rank order."""
+        with self._collective(_signed(label, tensor)) as position:
+            work = _all_gather_single(output, tensor, async_op=True)
         return PendingCollective(self, work, position)
 
     def all_reduce(self, tensor: torch.Tensor, label: str) -> None:

@@ -28,6 +28,7 @@ def _strategy(
     bytes_per_pack: int = 0,
     gradient_accumulation_steps: int = 1,
     local_sgd: mirrored.LocalSGD | None = None,
+    compression: str | None = None,
 ) -> mirrored.MultiWorkerMirroredStrategy:
     """AUTO sums CPU tensors through shared memory between workers on one machine; tests of
     gloo's path set MIRRORED_TEST_IMPLEMENTATION=RING."""
@@ -37,6 +38,7 @@ def _strategy(
             bytes_per_pack=bytes_per_pack,
             timeout_seconds=timeout_seconds,
             implementation=mirrored.CommunicationImplementation[implementation],
+            compression=compression,
         ),
         gradient_accumulation_steps=gradient_accumulation_steps,
         local_sgd=local_sgd,
@@ -248,6 +250,34 @@ def per_replica_input(out: Path) -> None:
         for x, y in strategy.distribute_datasets_from_function(dataset_fn):
             strategy.run(step, args=(x, y))
         _save(strategy, out, {"replicas": [r.state_dict() for r in mirrored_model.replicas]})
+
+
+def wire_sum(out: Path) -> None:
+    """A gradient-sized sum in 16 bits on the wire: rank 0 adds 1, the others 2**-8 each (5
+    numbers: the chunks are padded). bfloat16 additions would round 1 + 2**-8 back to 1 at
+    every step; a float32 sum is 1 + (N-1) * 2**-8, exact in bfloat16 for N = 3."""
+    with _strategy(compression="bf16") as strategy:
+        group = strategy.worker_group
+        tensor = torch.full((5,), 1.0 if group.rank == 0 else 2.0**-8)
+        group.all_reduce_async(tensor, "test: a 16-bit sum", torch.bfloat16).wait()
+        _save(strategy, out, {"sum": tensor})
+
+
+def digits(out: Path, compression: str = "") -> None:
+    """Train an MLP on scikit-learn's digits with fit, gradients compressed on the wire."""
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    x = torch.tensor(data.data, dtype=torch.float32) / 16
+    y = torch.tensor(data.target)
+    with _strategy(compression=compression or None) as strategy:
+        with strategy.scope():
+            model = mirrored.Model(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10)))
+            compile_mlp(model)
+        torch.manual_seed(3)
+        model.fit(x[:1500], y[:1500], batch_size=64, epochs=12, verbose=0)
+        accuracy = model.evaluate(x[1500:], y[1500:], verbose=0, return_dict=True)["accuracy"]
+        _save(strategy, out, {"accuracy": accuracy, "state": model.module.state_dict()})
 
 
 def fit_data() -> tuple[torch.Tensor, torch.Tensor]:
@@ -500,6 +530,8 @@ JOBS: dict[str, Callable[..., None]] = {
     f.__name__: f
     for f in (
         custom_loop,
+        wire_sum,
+        digits,
         same_host_sums,
         local_failure,
         loader_loop,
