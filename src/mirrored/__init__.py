@@ -41,6 +41,7 @@ from mirrored.multi_worker import (
 )
 from mirrored.pipeline import PipelinedModule, PipelinedOptimizer, PipelineStrategy
 from mirrored.pipeline_split import balance_by_time
+from mirrored.powersgd import PowerSGD
 from mirrored.rendezvous import ReplicaAbortedError, SyncMismatchError, SyncTimeoutError
 from mirrored.strategy import Strategy
 from mirrored.training import Model
@@ -69,6 +70,7 @@ __all__ = [
     "PipelineStrategy",
     "PipelinedModule",
     "PipelinedOptimizer",
+    "PowerSGD",
     "ReduceOp",
     "ReductionToOneDevice",
     "ReplicaAbortedError",

@@ -41,13 +41,15 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from mirrored.bucketing import plan_buckets
+from mirrored.wire_compression import bucket_compressor
 
 if TYPE_CHECKING:
     from mirrored.accumulation import AccumulationWindow
     from mirrored.local_sgd import LocalSteps
+    from mirrored.powersgd import PowerSGD
     from mirrored.strategy import Strategy
-    from mirrored.wire_compression import SixteenBitSum
-    from mirrored.worker_group import PendingCollective, WorkerGroup
+    from mirrored.wire_compression import PendingSum
+    from mirrored.worker_group import WorkerGroup
 
 __all__ = ["OverlappedGradientReducer"]
 
@@ -66,7 +68,7 @@ class OverlappedGradientReducer:
         group: the workers' process group.
         window: the optimizer's accumulation window (None: every step reduces).
         local: the optimizer's local SGD schedule (None: every update reduces).
-        wire_dtype: the 16-bit type gradients cross the network in (None: their own).
+        compression: ``CommunicationOptions.compression`` (:mod:`mirrored.wire_compression`).
         bytes_per_pack: bucket size in bytes; ``first_pack_bytes`` caps the first bucket.
     """
 
@@ -77,7 +79,7 @@ class OverlappedGradientReducer:
         group: WorkerGroup,
         window: AccumulationWindow | None,
         local: LocalSteps | None,
-        wire_dtype: torch.dtype | None,
+        compression: str | PowerSGD | None,
         bytes_per_pack: int,
         first_pack_bytes: int,
     ) -> None:
@@ -85,7 +87,6 @@ class OverlappedGradientReducer:
         self._group = group
         self._window = window
         self._local = local
-        self._wire_dtype = wire_dtype
         self._params = [list(p) for p in params]
         num_local = len(self._params)
         first = self._params[0]
@@ -99,6 +100,15 @@ class OverlappedGradientReducer:
         )
         self._buckets = [tuple(order[j] for j in bucket.indices) for bucket in plan]
         self._numels = [bucket.numel for bucket in plan]
+        layouts = [
+            [
+                (offset, first[order[j]].shape)
+                for j, offset in zip(b.indices, b.offsets, strict=True)
+            ]
+            for b in plan
+        ]
+        lengths = [bucket.numel + len(bucket.indices) for bucket in plan]  # counts at the end
+        self._compressor = bucket_compressor(compression, layouts, lengths)
         self._bucket_of = [(0, 0)] * len(first)
         for b, members in enumerate(self._buckets):
             for slot, index in enumerate(members):
@@ -155,7 +165,7 @@ class OverlappedGradientReducer:
         # Shared by the local replicas.
         self._packed = [0] * len(self._buckets)
         self._next_launch = 0
-        self._pending: list[PendingCollective | SixteenBitSum | None] = [None] * len(self._buckets)
+        self._pending: list[PendingSum | None] = [None] * len(self._buckets)
 
     def _hook(self, r: int, i: int) -> None:
         """Watch parameter ``i`` of replica ``r`` (only possible while it requires grad)."""
@@ -263,7 +273,10 @@ class OverlappedGradientReducer:
         for buffers in self._buffers[1:]:
             total.add_(buffers[b].to(total.device, non_blocking=True))
         label = f"gradients: bucket {b + 1} of {len(self._buckets)}"
-        self._pending[b] = self._group.all_reduce_async(total, label, self._wire_dtype)
+        if self._compressor is None:
+            self._pending[b] = self._group.all_reduce_async(total, label)
+        else:
+            self._pending[b] = self._compressor.start(self._group, b, total, label)
 
     # -- the end of a pass ------------------------------------------------------------------------
     def finish_pass(self, r: int) -> None:

@@ -39,6 +39,7 @@ from mirrored.input import (
 from mirrored.local_sgd import LocalSGD, LocalSteps
 from mirrored.mirror import MirroredModule, MirroredOptimizer, tensors_of
 from mirrored.mirrored_strategy import MirroredStrategy, default_devices
+from mirrored.powersgd import PowerSGD
 from mirrored.rendezvous import ReplicaExchange
 from mirrored.values import PerReplica, ReduceOp, fingerprint, map_structure
 from mirrored.wire_compression import WIRE_DTYPES
@@ -76,13 +77,15 @@ class CommunicationOptions:
         implementation: ``CommunicationImplementation``.
         compression: "bf16" or "fp16": float32 gradients cross the network in 16 bits (half the
             bytes) and are summed in float32 (:mod:`mirrored.wire_compression`); workers that
-            sum through shared memory on one machine send them whole. None: float32.
+            sum through shared memory on one machine send them whole. ``PowerSGD(rank)``: each
+            gradient matrix is summed as two rank-r factors, with error feedback
+            (:mod:`mirrored.powersgd`), over any transport. None: gradients go whole.
     """
 
     bytes_per_pack: int = 0
     timeout_seconds: float | None = None
     implementation: CommunicationImplementation = CommunicationImplementation.AUTO
-    compression: str | None = None
+    compression: str | PowerSGD | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.bytes_per_pack, int) or self.bytes_per_pack < 0:
@@ -98,10 +101,14 @@ class CommunicationOptions:
                 f"implementation={self.implementation!r}: expected a "
                 "mirrored.CommunicationImplementation (AUTO, RING or NCCL)"
             )
-        if self.compression is not None and self.compression not in WIRE_DTYPES:
+        if not (
+            self.compression is None
+            or isinstance(self.compression, PowerSGD)
+            or self.compression in WIRE_DTYPES
+        ):
             raise ValueError(
                 f"compression={self.compression!r}: expected one of {sorted(WIRE_DTYPES)} "
-                "(gradients in 16 bits on the wire) or None"
+                "(gradients in 16 bits on the wire), mirrored.PowerSGD(rank=...) or None"
             )
 
 
@@ -441,7 +448,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
             self._group,
             window,
             local,
-            WIRE_DTYPES.get(self.communication_options.compression or ""),
+            self.communication_options.compression,
             bytes_per_pack or _BYTES_PER_PACK,
             0 if bytes_per_pack else _FIRST_PACK_BYTES,
         )

@@ -18,16 +18,74 @@ exact up to 256 replicas (bfloat16) or 2048 (float16).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+from mirrored.powersgd import PowerSGD, PowerSGDBucket, PowerSGDSum
 
 if TYPE_CHECKING:
     from mirrored.worker_group import PendingCollective, WorkerGroup
 
-__all__ = ["WIRE_DTYPES", "SixteenBitSum"]
+__all__ = ["WIRE_DTYPES", "BucketCompressor", "SixteenBitSum", "bucket_compressor"]
 
 WIRE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+# Each tensor of a gradient bucket as (offset, shape), in bucket order.
+Layout = Sequence[tuple[int, torch.Size]]
+
+
+class PendingSum(Protocol):
+    def wait(self) -> None: ...
+
+
+class BucketCompressor(Protocol):
+    """How gradient bucket ``bucket`` is summed over the workers when compressed."""
+
+    def start(
+        self, group: WorkerGroup, bucket: int, tensor: torch.Tensor, label: str
+    ) -> PendingSum:
+        """Start summing ``tensor`` (bucket ``bucket``) in place; ``wait()`` finishes it."""
+        ...
+
+
+class _SixteenBitWire:
+    def __init__(self, wire_dtype: torch.dtype) -> None:
+        self._wire_dtype = wire_dtype
+
+    def start(
+        self, group: WorkerGroup, bucket: int, tensor: torch.Tensor, label: str
+    ) -> PendingSum:
+        return group.all_reduce_async(tensor, label, self._wire_dtype)
+
+
+class _PowerSGDWire:
+    def __init__(self, options: PowerSGD, layouts: Sequence[Layout], numels: Sequence[int]) -> None:
+        self._plans = [
+            PowerSGDBucket(options, layout, numel, seed=b)
+            for b, (layout, numel) in enumerate(zip(layouts, numels, strict=True))
+        ]
+
+    def start(
+        self, group: WorkerGroup, bucket: int, tensor: torch.Tensor, label: str
+    ) -> PendingSum:
+        plan = self._plans[bucket]
+        if not plan.compressed:
+            return group.all_reduce_async(tensor, label)
+        return PowerSGDSum(group, tensor, plan, label)
+
+
+def bucket_compressor(
+    option: str | PowerSGD | None, layouts: Sequence[Layout], numels: Sequence[int]
+) -> BucketCompressor | None:
+    """The compressor for ``CommunicationOptions.compression`` (None: buckets go whole), given
+    each bucket's tensors (``layouts``) and length (``numels``, replica counts included)."""
+    if option is None:
+        return None
+    if isinstance(option, PowerSGD):
+        return _PowerSGDWire(option, layouts, numels)
+    return _SixteenBitWire(WIRE_DTYPES[option])
 
 
 class SixteenBitSum:

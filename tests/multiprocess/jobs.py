@@ -45,6 +45,13 @@ def _strategy(
     )
 
 
+def _compression(text: str) -> str | mirrored.PowerSGD | None:
+    """ "" (none), "bf16", "fp16" or "powersgd:RANK"."""
+    if text.startswith("powersgd:"):
+        return mirrored.PowerSGD(rank=int(text.split(":")[1]))
+    return text or None
+
+
 def _save(strategy: mirrored.MultiWorkerMirroredStrategy, out: Path, result: Any) -> None:
     torch.save(result, out / f"rank{strategy.worker_group.rank}.pt")
 
@@ -71,11 +78,13 @@ def custom_loop(
     accumulation: str = "1",
     keep_zeroed_gradients: str = "",
     local_sgd_period: str = "",
+    compression: str = "",
 ) -> None:
     """The reference custom loop on the MLP, ragged last batch included; with ``user_group``
     the program sets up torch.distributed itself first and keeps its group afterwards; with
     ``accumulation`` k, one update every k steps; with ``keep_zeroed_gradients``,
-    ``zero_grad(set_to_none=False)``; with ``local_sgd_period``, local SGD."""
+    ``zero_grad(set_to_none=False)``; with ``local_sgd_period``, local SGD; ``compression``
+    as ``_compression`` reads it."""
     if user_group:
         torch.distributed.init_process_group("gloo")
     sizes: dict[str, list[int]] = {"gloo": [], "shared memory": []}
@@ -96,6 +105,7 @@ def custom_loop(
         bytes_per_pack=int(bytes_per_pack),
         gradient_accumulation_steps=int(accumulation),
         local_sgd=mirrored.LocalSGD(int(local_sgd_period)) if local_sgd_period else None,
+        compression=_compression(compression),
     ) as strategy:
         # Each worker initialises differently: mirror gives every worker the chief's values.
         model = make_mlp(seed=1 + strategy.worker_group.rank)
@@ -270,7 +280,7 @@ def digits(out: Path, compression: str = "") -> None:
     data = load_digits()
     x = torch.tensor(data.data, dtype=torch.float32) / 16
     y = torch.tensor(data.target)
-    with _strategy(compression=compression or None) as strategy:
+    with _strategy(compression=_compression(compression)) as strategy:
         with strategy.scope():
             model = mirrored.Model(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10)))
             compile_mlp(model)

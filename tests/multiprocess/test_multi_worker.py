@@ -190,21 +190,34 @@ def test_training_with_16_bit_gradients_on_the_wire_converges_as_with_float32(
     tmp_path: Path,
 ) -> None:
     results = {}
-    for compression in ["", "bf16", "fp16"]:
-        out = tmp_path / (compression or "float32")
+    for compression in ["", "bf16", "fp16", "powersgd:2"]:
+        out = tmp_path / (compression.replace(":", "") or "float32")
         out.mkdir()
         workers = run_workers("digits", out, args=[compression], env=_implementation("RING"))
         assert_all_succeeded(workers)
         results[compression] = _results(out)
     exact = results[""][0]
     assert exact["accuracy"] > 0.85  # 0.91 (the last 297 digits are the hardest)
-    for compression in ["bf16", "fp16"]:
+    for compression in ["bf16", "fp16", "powersgd:2"]:
         first, second = results[compression]
         assert all(torch.equal(v, second["state"][k]) for k, v in first["state"].items())
         # The gradients did cross in 16 bits (the parameters are not float32 training's),
         # and training converged as well (to within 2 points on the held-out digits).
         assert any(not torch.equal(v, first["state"][k]) for k, v in exact["state"].items())
         assert first["accuracy"] > exact["accuracy"] - 0.02, (compression, first, exact)
+
+
+def test_powersgd_sends_rank_r_factors_and_whole_vectors(tmp_path: Path) -> None:
+    workers = run_workers("custom_loop", tmp_path, args=["sgd", "", "0", "1", "", "", "powersgd:2"])
+    assert_all_succeeded(workers)
+    results = _results(tmp_path)
+    # The MLP's weights are 32 x 12, 16 x 32 and 5 x 16: per step one sum of the biases
+    # (5 + 16 + 32), the 6 replica counts and the P factors ((5 + 16 + 32) x 2), then one of
+    # the Q factors ((16 + 32 + 12) x 2): 285 numbers instead of 1029 + 6.
+    sizes = [n for n in results[0]["all_reduces"]["shared memory"] if n > 1]
+    assert sizes == [53 + 6 + 106, 120] * len(make_batches())
+    first = results[0]["replicas"][0]
+    assert all(torch.equal(results[1]["replicas"][0][k], v) for k, v in first.items())
 
 
 @pytest.mark.parametrize("num_workers", [2, 3])
