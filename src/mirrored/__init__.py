@@ -30,6 +30,7 @@ from mirrored.cross_device_ops import (
     ReductionToOneDevice,
 )
 from mirrored.input import DistributedDataset, InputContext, ValueContext
+from mirrored.load_balancing import LoadBalancing
 from mirrored.local_sgd import LocalSGD
 from mirrored.losses import compute_average_loss
 from mirrored.mirror import MirroredModule, MirroredOptimizer
@@ -58,6 +59,7 @@ __all__ = [
     "DistributedDataset",
     "HierarchicalCopyAllReduce",
     "InputContext",
+    "LoadBalancing",
     "LocalSGD",
     "Model",
     "MirroredModule",

@@ -108,16 +108,22 @@ def split_batch(
     first_shard: int = 0,
     num_shards: int | None = None,
     global_batch_size: int | None = None,
+    sizes_of: Callable[[int], list[int]] | None = None,
 ) -> Any:
     """One global batch -> the same structure with ``PerReplicaShards`` leaves on ``devices``
-    (a None device leaves its shard where the batch is).
+    (a None device leaves its shard where the batch is). ``sizes_of(batch_size)``: the shard
+    sizes, when not as even as possible (:mod:`mirrored.load_balancing`).
 
     Across workers the batch splits into ``num_shards`` (every replica of every worker) and this
     process keeps shards ``first_shard ..`` for its own devices. A worker that loaded only its
     own part passes that part and the ``global_batch_size`` it came from.
     """
     batch = map_structure(_as_tensor, batch)
-    all_sizes = shard_sizes(batch_size_of(batch), num_shards or len(devices))
+    batch_size = batch_size_of(batch)
+    if sizes_of is None:
+        all_sizes = shard_sizes(batch_size, num_shards or len(devices))
+    else:
+        all_sizes = sizes_of(batch_size)
     global_batch_size = global_batch_size or batch_size_of(batch)
     start = sum(all_sizes[:first_shard])
     sizes = all_sizes[first_shard : first_shard + len(devices)]
@@ -195,9 +201,11 @@ def distribute_global_batches(
     first_shard: int = 0,
     num_shards: int | None = None,
     agreement: StepAgreement | None = None,
+    sizes_of: Callable[[int], list[int]] | None = None,
 ) -> DistributedDataset:
     """Each global batch of ``dataset`` split into per-replica shards on ``devices`` (this
-    worker's ``devices`` hold shards ``first_shard ..`` of ``num_shards``)."""
+    worker's ``devices`` hold shards ``first_shard ..`` of ``num_shards``), as ``sizes_of``
+    says when given (asked afresh for every batch)."""
 
     def batches() -> Iterator[Any]:
         iterator = iter(dataset)
@@ -211,7 +219,7 @@ def distribute_global_batches(
                 None if first is _END else fingerprint(first),
             )
         for batch in iterator:
-            shards = split_batch(batch, devices, first_shard, num_shards)
+            shards = split_batch(batch, devices, first_shard, num_shards, sizes_of=sizes_of)
             if agreement is not None:
                 agreement.batch(global_batch_size_of(shards) or 0)
             yield shards

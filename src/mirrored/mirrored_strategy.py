@@ -15,11 +15,14 @@ from mirrored.config import DeviceSpec, LogicalDevice
 from mirrored.context import current_replica_context
 from mirrored.cross_device_ops import CrossDeviceOps, choose_cross_device_ops
 from mirrored.device_runtime import ReplicaDeviceRuntime, cap_process_memory
+from mirrored.input import PerReplicaShards
+from mirrored.load_balancing import LoadBalancing, ReplicaSpeeds
 from mirrored.local_sgd import LocalSGD
 from mirrored.randomness import ReplicaRandomness, StepSeed
 from mirrored.rendezvous import Rendezvous
 from mirrored.replica_workers import Outcome, ReplicaWorkers
 from mirrored.strategy import Strategy
+from mirrored.values import flatten
 
 __all__ = ["MirroredStrategy"]
 
@@ -47,6 +50,9 @@ class MirroredStrategy(Strategy):
         local_sgd: ``LocalSGD(period, warmup_steps)``: after the warm-up, each replica updates
             with its own gradient and the parameters are averaged every ``period`` updates
             (:mod:`mirrored.local_sgd`). None: every update all-reduces the gradients.
+        load_balancing: ``LoadBalancing(every_steps, smoothing)``: split each global batch of
+            ``experimental_distribute_dataset`` (and ``fit``) by the measured speed of each
+            replica (:mod:`mirrored.load_balancing`). None: evenly.
     """
 
     def __init__(
@@ -57,8 +63,13 @@ class MirroredStrategy(Strategy):
         timeout_seconds: float | None = 1800.0,
         gradient_accumulation_steps: int = 1,
         local_sgd: LocalSGD | None = None,
+        load_balancing: LoadBalancing | None = None,
     ) -> None:
         self.gradient_accumulation_steps = check_accumulation_steps(gradient_accumulation_steps)
+        if load_balancing is not None and not isinstance(load_balancing, LoadBalancing):
+            raise TypeError(
+                f"load_balancing={load_balancing!r}: expected mirrored.LoadBalancing(...)"
+            )
         if local_sgd is not None and not isinstance(local_sgd, LocalSGD):
             raise TypeError(
                 f"local_sgd={local_sgd!r}: expected mirrored.LocalSGD(period=..., warmup_steps=...)"
@@ -85,9 +96,27 @@ class MirroredStrategy(Strategy):
         self._runtimes = [ReplicaDeviceRuntime(d, threads) for d in logical]
         self._randomness = [ReplicaRandomness(i, d.torch_device) for i, d in enumerate(logical)]
         self._workers = ReplicaWorkers([d.short_name for d in logical])
+        self.replica_speeds = (
+            None if load_balancing is None else ReplicaSpeeds(load_balancing, len(logical))
+        )
         self._caller_streams: list[torch.cuda.Stream | None] = [None] * len(logical)
         # Stop the threads when the strategy is collected without close().
         self._finalizer = weakref.finalize(self, self._workers.close, False)
+
+    def _balanced_sizes(self) -> Callable[[int], list[int]] | None:
+        return None if self.replica_speeds is None else self.replica_speeds.sizes
+
+    def _observe_run(self, rendezvous: Rendezvous, inputs: Any) -> None:
+        """With load balancing: the run's compute time and examples per replica, measured on
+        runs that take a distributed batch."""
+        if self.replica_speeds is None:
+            return
+        shards = next((v for v in flatten(inputs) if isinstance(v, PerReplicaShards)), None)
+        busy = rendezvous.busy_seconds
+        if shards is None or any(seconds is None for seconds in busy):
+            return
+        examples = [len(value) if value.dim() else 0 for value in shards.values]
+        self.replica_speeds.record([s or 0.0 for s in busy], examples)
 
     def _execute(self, tasks: Sequence[Callable[[], Any]], rendezvous: Rendezvous) -> list[Outcome]:
         # The calling thread's current stream on each replica's GPU (None on the CPU).

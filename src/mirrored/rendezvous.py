@@ -53,9 +53,22 @@ class Rendezvous:
         self._sync_counts = [0] * num_replicas
         self._finished: set[int] = set()
         self.abort_reason: BaseException | None = None
+        # Per replica: when its function started, and how long it ran before its first sync
+        # point (or in all, without one): its compute, for load balancing.
+        self._started = [0.0] * num_replicas
+        self.busy_seconds: list[float | None] = [None] * num_replicas
+
+    def begin(self, replica_id: int) -> None:
+        """A replica's function starts now."""
+        self._started[replica_id] = time.perf_counter()
+
+    def _mark_busy(self, replica_id: int) -> None:
+        if self.busy_seconds[replica_id] is None:
+            self.busy_seconds[replica_id] = time.perf_counter() - self._started[replica_id]
 
     def exchange(self, replica_id: int, label: str, value: Any) -> list[Any]:
         """Post ``value`` at the sync point ``label``; return every replica's value, in order."""
+        self._mark_busy(replica_id)
         if self.num_replicas == 1:
             return [value]
         with self._cond:
@@ -104,6 +117,7 @@ class Rendezvous:
 
     def finish(self, replica_id: int) -> None:
         """Record that a replica's function returned; others still waiting can never be met."""
+        self._mark_busy(replica_id)
         if self.num_replicas == 1:
             return
         with self._cond:

@@ -181,6 +181,7 @@ class Strategy:
                 root = self._root_error(failures, rendezvous)
                 self._resync_replicated(root)
                 raise root
+            self._observe_run(rendezvous, (tuple(args), kwargs))
         try:
             return regroup([o[1] for o in outcomes])
         except (ValueError, KeyError) as mismatch:
@@ -224,6 +225,7 @@ class Strategy:
             self, self._first_replica_id + replica_id, exchange, global_batch_size
         )
         self._active_contexts[replica_id] = replica
+        rendezvous.begin(replica_id)
         try:
             with context.replica_scope(replica), self._replica_scope(replica_id):
                 for leaf in flatten((args, kwargs)):
@@ -371,7 +373,16 @@ class Strategy:
     def experimental_distribute_dataset(self, dataset: Iterable[Any]) -> DistributedDataset:
         """Split each global batch of ``dataset`` (a DataLoader or any iterable of batches) into
         per-replica shards on the replicas' devices."""
-        return distribute_global_batches(dataset, self._input_devices)
+        return distribute_global_batches(
+            dataset, self._input_devices, sizes_of=self._balanced_sizes()
+        )
+
+    def _balanced_sizes(self) -> Callable[[int], list[int]] | None:
+        """How global batches are split when not evenly (None: evenly)."""
+        return None
+
+    def _observe_run(self, rendezvous: Rendezvous, inputs: Any) -> None:
+        """After a successful run on ``inputs`` (its positional and keyword arguments)."""
 
     def distribute_datasets_from_function(
         self, dataset_fn: Callable[[InputContext], Iterable[Any]]
