@@ -89,11 +89,13 @@ def train_mirrored(
     optimizer: torch.optim.Optimizer,
     batches: Sequence[Batch],
     set_to_none: bool = True,
+    options: mirrored.InputOptions | None = None,
 ) -> tuple[mirrored.MirroredModule, mirrored.MirroredOptimizer, list[float]]:
-    """The issue's program, verbatim in spirit (``set_to_none``: how it zeroes gradients)."""
+    """The issue's program, verbatim in spirit (``set_to_none``: how it zeroes gradients;
+    ``options``: how the input is read)."""
     mirrored_model, mirrored_optimizer = strategy.mirror(model, optimizer)
     losses = []
-    for batch in strategy.experimental_distribute_dataset(batches):
+    for batch in strategy.experimental_distribute_dataset(batches, options):
         args = (batch, mirrored_model, mirrored_optimizer, set_to_none)
         losses.append(strategy.reduce("sum", strategy.run(replica_step, args), axis=None).item())
     return mirrored_model, mirrored_optimizer, losses

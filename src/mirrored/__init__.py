@@ -29,7 +29,7 @@ from mirrored.cross_device_ops import (
     NcclAllReduce,
     ReductionToOneDevice,
 )
-from mirrored.input import DistributedDataset, InputContext, ValueContext
+from mirrored.input import DistributedDataset, InputContext, InputOptions, ValueContext
 from mirrored.load_balancing import LoadBalancing
 from mirrored.local_sgd import LocalSGD
 from mirrored.losses import compute_average_loss
@@ -59,6 +59,7 @@ __all__ = [
     "DistributedDataset",
     "HierarchicalCopyAllReduce",
     "InputContext",
+    "InputOptions",
     "LoadBalancing",
     "LocalSGD",
     "Model",

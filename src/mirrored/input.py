@@ -21,14 +21,17 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Sampler
 
+from mirrored.prefetch import ahead
 from mirrored.values import PerReplica, fingerprint, flatten, map_structure
 
 __all__ = [
     "DistributedDataset",
     "InputContext",
+    "InputOptions",
     "PerReplicaShards",
     "ValueContext",
     "global_batch_size_of",
+    "prefetch_depth",
     "shard_sizes",
 ]
 
@@ -49,6 +52,41 @@ class InputContext:
                 f"num_replicas_in_sync={self.num_replicas_in_sync}"
             )
         return global_batch_size // self.num_replicas_in_sync
+
+
+@dataclasses.dataclass(frozen=True)
+class InputOptions:
+    """How a distributed dataset is read (TensorFlow's ``tf.distribute.InputOptions``).
+
+    Args:
+        experimental_per_replica_buffer_size: global batches read, split and copied to the
+            devices ahead of the training, on a background thread (:mod:`mirrored.prefetch`);
+            0 reads each when the loop asks for it. Off by default: a dataset that draws from
+            torch's global generator as it reads (random augmentation in the main process)
+            would draw from it concurrently with the training, in no fixed order.
+    """
+
+    experimental_per_replica_buffer_size: int = 0
+
+    def __post_init__(self) -> None:
+        size = self.experimental_per_replica_buffer_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise ValueError(
+                f"InputOptions(experimental_per_replica_buffer_size={size!r}): expected a whole "
+                "number >= 0 (0: no reading ahead)"
+            )
+
+
+def prefetch_depth(options: InputOptions | None) -> int:
+    """How many batches ``options`` reads ahead (a TypeError for anything but InputOptions)."""
+    if options is None:
+        return 0
+    if not isinstance(options, InputOptions):
+        raise TypeError(
+            f"options={options!r}: expected mirrored.InputOptions("
+            "experimental_per_replica_buffer_size=...)"
+        )
+    return options.experimental_per_replica_buffer_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,8 +136,12 @@ def batch_size_of(batch: Any) -> int:
     return sizes.pop()
 
 
-def _place(tensor: torch.Tensor, device: torch.device | None) -> torch.Tensor:
-    return tensor if device is None else tensor.to(device, non_blocking=True)
+def _place(tensor: torch.Tensor, device: torch.device | None, pin: bool = False) -> torch.Tensor:
+    if device is None:
+        return tensor
+    if pin and device.type == "cuda" and tensor.device.type == "cpu":
+        tensor = tensor.pin_memory()  # a copy from pinned memory does not block the host
+    return tensor.to(device, non_blocking=True)
 
 
 def split_batch(
@@ -109,10 +151,12 @@ def split_batch(
     num_shards: int | None = None,
     global_batch_size: int | None = None,
     sizes_of: Callable[[int], list[int]] | None = None,
+    pin: bool = False,
 ) -> Any:
     """One global batch -> the same structure with ``PerReplicaShards`` leaves on ``devices``
     (a None device leaves its shard where the batch is). ``sizes_of(batch_size)``: the shard
-    sizes, when not as even as possible (:mod:`mirrored.load_balancing`).
+    sizes, when not as even as possible (:mod:`mirrored.load_balancing`). ``pin``: shards
+    bound for CUDA go through pinned memory (when read ahead, off the training's path).
 
     Across workers the batch splits into ``num_shards`` (every replica of every worker) and this
     process keeps shards ``first_shard ..`` for its own devices. A worker that loaded only its
@@ -133,7 +177,7 @@ def split_batch(
             return leaf
         shards = torch.split(leaf.narrow(0, start, sum(sizes)), sizes)
         return PerReplicaShards(
-            [_place(s, d) for s, d in zip(shards, devices, strict=True)],
+            [_place(s, d, pin) for s, d in zip(shards, devices, strict=True)],
             global_batch_size,
         )
 
@@ -202,10 +246,11 @@ def distribute_global_batches(
     num_shards: int | None = None,
     agreement: StepAgreement | None = None,
     sizes_of: Callable[[int], list[int]] | None = None,
+    prefetch: int = 0,
 ) -> DistributedDataset:
     """Each global batch of ``dataset`` split into per-replica shards on ``devices`` (this
     worker's ``devices`` hold shards ``first_shard ..`` of ``num_shards``), as ``sizes_of``
-    says when given (asked afresh for every batch)."""
+    says when given (asked afresh for every batch); ``prefetch`` batches read ahead."""
 
     def batches() -> Iterator[Any]:
         iterator = iter(dataset)
@@ -218,8 +263,13 @@ def distribute_global_batches(
                 len(dataset) if isinstance(dataset, Sequence) else None,
                 None if first is _END else fingerprint(first),
             )
-        for batch in iterator:
-            shards = split_batch(batch, devices, first_shard, num_shards, sizes_of=sizes_of)
+        prepared = (
+            split_batch(
+                batch, devices, first_shard, num_shards, sizes_of=sizes_of, pin=bool(prefetch)
+            )
+            for batch in iterator
+        )
+        for shards in ahead(prepared, prefetch, devices):
             if agreement is not None:
                 agreement.batch(global_batch_size_of(shards) or 0)
             yield shards
@@ -336,10 +386,12 @@ def distribute_loader_parts(
     first_shard: int,
     num_shards: int,
     agreement: StepAgreement | None = None,
+    prefetch: int = 0,
 ) -> DistributedDataset:
     """Like ``distribute_global_batches`` for a DataLoader, but this worker loads only the
     examples of its own shards (a clone of ``loader`` over the same dataset, sampler and
-    settings, whose batches hold this worker's part of each global batch)."""
+    settings, whose batches hold this worker's part of each global batch); ``prefetch``
+    batches read ahead."""
 
     def batches() -> Iterator[Any]:
         sizes: deque[tuple[int, int]] = deque()
@@ -361,19 +413,28 @@ def distribute_loader_parts(
             persistent_workers=loader.persistent_workers,
             pin_memory_device=loader.pin_memory_device,
         )
+
+        def prepared() -> Iterator[tuple[Any, int]]:
+            for part in part_loader:
+                global_batch_size, kept = sizes.popleft()
+                if not kept:
+                    part = map_structure(
+                        lambda t: t[:0] if isinstance(t, torch.Tensor) and t.dim() else t, part
+                    )
+                yield (
+                    split_batch(
+                        part, devices, global_batch_size=global_batch_size, pin=bool(prefetch)
+                    ),
+                    global_batch_size,
+                )
+
         begun = False
-        for part in part_loader:
+        for shards, global_batch_size in ahead(prepared(), prefetch, devices):
             if agreement is not None and not begun:
                 # Once the first global batch is drawn (drawing it before the loader starts
                 # would change its use of its generator): the workers compare its examples.
                 agreement.begin(len(part_loader), sampler.first_batch)
             begun = True
-            global_batch_size, kept = sizes.popleft()
-            if not kept:
-                part = map_structure(
-                    lambda t: t[:0] if isinstance(t, torch.Tensor) and t.dim() else t, part
-                )
-            shards = split_batch(part, devices, global_batch_size=global_batch_size)
             if agreement is not None:
                 agreement.batch(global_batch_size)
             yield shards

@@ -30,9 +30,11 @@ from mirrored.gradient_reducer import OverlappedGradientReducer
 from mirrored.input import (
     DistributedDataset,
     InputContext,
+    InputOptions,
     distribute_global_batches,
     distribute_loader_parts,
     distribute_replica_batches,
+    prefetch_depth,
     refuse_distributed_sampler,
     shardable_loader,
 )
@@ -347,12 +349,17 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         return map_structure(lambda t: self._gather_across_workers(t, axis), local)
 
     # -- input ------------------------------------------------------------------------------------
-    def experimental_distribute_dataset(self, dataset: Iterable[Any]) -> DistributedDataset:
+    def experimental_distribute_dataset(
+        self, dataset: Iterable[Any], options: InputOptions | None = None
+    ) -> DistributedDataset:
         """Iterate the same global batches in every worker; each keeps its replicas' shards.
 
         A DataLoader over a map-style dataset is cloned so that each worker loads only the
         examples of its own shards; any other iterable is read whole by every worker.
+        ``options``: ``InputOptions`` (reading ahead; the workers' checks that they read alike
+        stay on the training's thread).
         """
+        prefetch = prefetch_depth(options)
         refuse_distributed_sampler(dataset)
         agreement = _StepAgreement(self._group, wait_for_global_size=False)
         if shardable_loader(dataset):
@@ -362,6 +369,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
                 self._offset,
                 self.num_replicas_in_sync,
                 agreement,
+                prefetch,
             )
         return distribute_global_batches(
             dataset,
@@ -369,6 +377,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
             self._offset,
             self.num_replicas_in_sync,
             agreement,
+            prefetch=prefetch,
         )
 
     def distribute_datasets_from_function(

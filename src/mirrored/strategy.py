@@ -25,10 +25,12 @@ from mirrored.cross_device_ops import CrossDeviceOps, HierarchicalCopyAllReduce
 from mirrored.input import (
     DistributedDataset,
     InputContext,
+    InputOptions,
     ValueContext,
     distribute_global_batches,
     distribute_replica_batches,
     global_batch_size_of,
+    prefetch_depth,
 )
 from mirrored.local_sgd import LocalSGD, LocalSteps
 from mirrored.rendezvous import Rendezvous, ReplicaAbortedError, ReplicaExchange
@@ -370,11 +372,17 @@ class Strategy:
         )
 
     # -- input ------------------------------------------------------------------------------------
-    def experimental_distribute_dataset(self, dataset: Iterable[Any]) -> DistributedDataset:
+    def experimental_distribute_dataset(
+        self, dataset: Iterable[Any], options: InputOptions | None = None
+    ) -> DistributedDataset:
         """Split each global batch of ``dataset`` (a DataLoader or any iterable of batches) into
-        per-replica shards on the replicas' devices."""
+        per-replica shards on the replicas' devices; ``options``: ``InputOptions`` (reading
+        ahead)."""
         return distribute_global_batches(
-            dataset, self._input_devices, sizes_of=self._balanced_sizes()
+            dataset,
+            self._input_devices,
+            sizes_of=self._balanced_sizes(),
+            prefetch=prefetch_depth(options),
         )
 
     def _balanced_sizes(self) -> Callable[[int], list[int]] | None:

@@ -145,8 +145,9 @@ def shuffled_loader() -> DataLoader[tuple[torch.Tensor, ...]]:
     )
 
 
-def loader_loop(out: Path) -> None:
-    """The custom loop fed by a shuffling DataLoader: each worker loads only its part."""
+def loader_loop(out: Path, prefetch: str = "0") -> None:
+    """The custom loop fed by a shuffling DataLoader: each worker loads only its part (read
+    ``prefetch`` batches ahead)."""
     loader = shuffled_loader()
     with _strategy() as strategy:
         model = make_mlp()
@@ -155,6 +156,7 @@ def loader_loop(out: Path) -> None:
             model,
             OPTIMIZERS["adam"](model),
             loader,  # type: ignore[arg-type]
+            options=mirrored.InputOptions(experimental_per_replica_buffer_size=int(prefetch)),
         )
         _save(
             strategy,

@@ -284,8 +284,10 @@ def test_a_worker_s_own_failure_in_an_all_reduce_is_not_blamed_on_its_peer(
     assert len(peer) == 1 and peer[0].startswith("WorkerLostError: worker 1 waited at"), peer
 
 
-def test_each_worker_loads_only_its_part_of_a_data_loader(tmp_path: Path) -> None:
-    assert_all_succeeded(run_workers("loader_loop", tmp_path, logical_devices=2))
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_each_worker_loads_only_its_part_of_a_data_loader(tmp_path: Path, prefetch: int) -> None:
+    workers = run_workers("loader_loop", tmp_path, args=[str(prefetch)], logical_devices=2)
+    assert_all_succeeded(workers)
     loader = shuffled_loader()
     model = make_mlp()
     losses = train_plain(model, OPTIMIZERS["adam"](model), loader)  # type: ignore[arg-type]
