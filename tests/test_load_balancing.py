@@ -24,6 +24,19 @@ from tests.reference_loops import (
 DEVICES = ["cpu:0", "cpu:1", "cpu:2", "cpu:3"]
 
 
+def _record_splits(speeds: ReplicaSpeeds) -> list[list[int]]:
+    """Every split ``speeds`` gives from now on, in order."""
+    seen: list[list[int]] = []
+    split = speeds.sizes
+
+    def recorded(batch_size: int) -> list[int]:
+        seen.append(split(batch_size))
+        return seen[-1]
+
+    speeds.sizes = recorded  # type: ignore[method-assign]
+    return seen
+
+
 def test_the_split_follows_the_measured_speeds() -> None:
     speeds = ReplicaSpeeds(mirrored.LoadBalancing(every_steps=2, smoothing=0.5), 2)
     assert speeds.sizes(10) == [5, 5]  # nothing measured yet: even
@@ -59,14 +72,7 @@ def test_an_uneven_split_gives_the_single_device_parameters(optimizer: str) -> N
         assert strategy.replica_speeds is not None
         strategy.replica_speeds.shares = [0.625, 0.125, 0.25]  # as if measured so
         strategy.replica_speeds.options = mirrored.LoadBalancing(every_steps=10**9)
-        seen = []
-        original = strategy.replica_speeds.sizes
-
-        def recorded(batch_size: int) -> list[int]:
-            seen.append(original(batch_size))
-            return seen[-1]
-
-        strategy.replica_speeds.sizes = recorded  # type: ignore[method-assign]
+        seen = _record_splits(strategy.replica_speeds)
         mirrored_model, _, _ = train_mirrored(
             strategy, model, OPTIMIZERS[optimizer](model), make_batches()
         )
@@ -115,3 +121,30 @@ def test_load_balancing_must_be_a_load_balancing_object() -> None:
         mirrored.LoadBalancing(every_steps=0)
     with pytest.raises(ValueError, match=r"smoothing=0"):
         mirrored.LoadBalancing(smoothing=0)
+
+
+def test_fit_on_an_uneven_split_equals_fit_on_one_device() -> None:
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(100, 12, generator=generator)
+    y = torch.randint(0, 5, (100,), generator=generator)
+
+    def fitted(strategy: mirrored.MirroredStrategy) -> mirrored.Model:
+        with strategy.scope():
+            model = mirrored.Model(make_mlp())
+            model.compile(
+                optimizer="adam",
+                loss=mirrored.losses.SparseCategoricalCrossentropy(from_logits=True),
+            )
+        model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        return model
+
+    with mirrored.MirroredStrategy(DEVICES[:1]) as one_device:
+        expected = fitted(one_device)
+    balancing = mirrored.LoadBalancing(every_steps=10**9)
+    with mirrored.MirroredStrategy(DEVICES[:2], load_balancing=balancing) as strategy:
+        assert strategy.replica_speeds is not None
+        strategy.replica_speeds.shares = [0.8125, 0.1875]  # 13 / 3 of each batch of 16
+        used = _record_splits(strategy.replica_speeds)
+        actual = fitted(strategy)
+    assert used[0] == [13, 3] and used[-1] == [3, 1]  # the last batch: 4 examples
+    assert_same_parameters(expected.module, actual.module)

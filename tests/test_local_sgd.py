@@ -15,6 +15,7 @@ from tests.reference_loops import (
     assert_same_parameters,
     make_batches,
     make_mlp,
+    merge_batches,
     replica_step,
     train_mirrored,
     train_plain,
@@ -173,3 +174,19 @@ def test_bad_local_sgd_options_are_refused(kwargs: dict[str, object], message: s
 def test_local_sgd_must_be_a_local_sgd_object() -> None:
     with pytest.raises(TypeError, match=r"local_sgd=4: expected mirrored.LocalSGD"):
         mirrored.MirroredStrategy(DEVICES[:2], local_sgd=4)  # type: ignore[arg-type]
+
+
+def test_local_sgd_composes_with_gradient_accumulation() -> None:
+    # Each window's mean gradient drives a local update; averaged after every update, plain
+    # SGD is synchronous training on the windows' examples.
+    batches = make_batches(num_examples=8 * 16, batch_size=16)
+    expected = make_mlp()
+    train_plain(expected, OPTIMIZERS["sgd"](expected), merge_batches(batches, 2))
+    model = make_mlp()
+    strategy = mirrored.MirroredStrategy(
+        DEVICES[:2], gradient_accumulation_steps=2, local_sgd=mirrored.LocalSGD(period=1)
+    )
+    with strategy:
+        mirrored_model, _, _ = train_mirrored(strategy, model, OPTIMIZERS["sgd"](model), batches)
+    assert_same_parameters(expected, mirrored_model.module)
+    assert_replicas_identical(mirrored_model)
