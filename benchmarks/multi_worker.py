@@ -76,8 +76,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -90,6 +89,7 @@ from overhead import (
     LEARNING_RATE,
     SEED,
     WARMUP_STEPS,
+    Clock,
     free_port,
     machine_description,
     make_batches,
@@ -181,31 +181,6 @@ WORKLOADS = {
 # -- timing ------------------------------------------------------------------------------------
 
 
-class Clock:
-    """Seconds per phase of this process, summed since the last ``reset``; the phase that runs
-    now tells the wrapped waits where they fall."""
-
-    def __init__(self) -> None:
-        self.phase = "other"
-        self.totals: dict[str, float] = {}
-
-    def reset(self) -> None:
-        self.totals = {}
-
-    def add(self, key: str, seconds: float) -> None:
-        self.totals[key] = self.totals.get(key, 0.0) + seconds
-
-    @contextmanager
-    def timing(self, phase: str) -> Iterator[None]:
-        outer, self.phase = self.phase, phase
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.add(phase, time.perf_counter() - start)
-            self.phase = outer
-
-
 CLOCK = Clock()
 
 
@@ -237,13 +212,17 @@ def local_part(batch: Batch, rank: int, world_size: int) -> Batch:
     return tuple(t[rank * size : (rank + 1) * size] for t in batch)
 
 
-def train_step(loss_of_batch: Callable[[], torch.Tensor], optimizer: Any) -> torch.Tensor:
-    """Both sides' step, its phases timed: forward (and loss), backward, optimizer."""
-    with CLOCK.timing("forward"):
+def train_step(
+    loss_of_batch: Callable[[], torch.Tensor], optimizer: Any, clock: Clock | None = None
+) -> torch.Tensor:
+    """Both sides' step, its phases timed into ``clock`` (default ``CLOCK``): forward (and
+    loss), backward, optimizer."""
+    clock = CLOCK if clock is None else clock
+    with clock.timing("forward"):
         loss = loss_of_batch()
-    with CLOCK.timing("backward"):
+    with clock.timing("backward"):
         loss.backward()
-    with CLOCK.timing("optimizer"):
+    with clock.timing("optimizer"):
         optimizer.step()
         optimizer.zero_grad()
     return loss

@@ -33,7 +33,8 @@ import queue
 import socket
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -91,39 +92,122 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch)
     return loss
 
 
-def time_plain(warmup: Sequence[Batch], timed: Sequence[Batch]) -> float:
-    model = make_model()
-    optimizer = torch.optim.Adam(model.parameters(), lr=LEARNING_RATE)
-    for batch in warmup:
-        train_step(model, optimizer, batch)
+class Clock:
+    """Seconds per phase of a training loop, summed since the last ``reset``; the phase that runs
+    now tells wrapped waits where they fall (multi_worker.py). Not thread-safe: time one thread."""
+
+    def __init__(self) -> None:
+        self.phase = "other"
+        self.totals: dict[str, float] = {}
+
+    def reset(self) -> None:
+        self.totals = {}
+
+    def add(self, key: str, seconds: float) -> None:
+        self.totals[key] = self.totals.get(key, 0.0) + seconds
+
+    @contextmanager
+    def timing(self, phase: str) -> Iterator[None]:
+        outer, self.phase = self.phase, phase
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(phase, time.perf_counter() - start)
+            self.phase = outer
+
+
+def timed_loop(batches: Iterable[Any], run: Callable[[Any], object], clock: Clock | None) -> float:
+    """Wall seconds to ``run`` every batch. With a ``clock`` (reset first), also each step's
+    seconds (``step``) and the part spent getting its batch (``input``)."""
+    if clock is None:
+        start = time.perf_counter()
+        for batch in batches:
+            run(batch)
+        return time.perf_counter() - start
+    clock.reset()
+    iterator = iter(batches)
     start = time.perf_counter()
-    for batch in timed:
-        train_step(model, optimizer, batch)
+    while True:
+        step_start = time.perf_counter()
+        batch = next(iterator, None)
+        if batch is None:  # the end: that last look is not a step
+            break
+        clock.add("input", time.perf_counter() - step_start)
+        run(batch)
+        clock.add("step", time.perf_counter() - step_start)
     return time.perf_counter() - start
 
 
-def time_mirrored(devices: Sequence[str], warmup: Sequence[Batch], timed: Sequence[Batch]) -> float:
-    """Splitting the batches (experimental_distribute_dataset) is timed: it is part of the cost."""
+PlainStep = Callable[[nn.Module, torch.optim.Optimizer, Any], torch.Tensor]
+
+
+def time_plain(
+    warmup: Sequence[Any],
+    timed: Sequence[Any],
+    make: Callable[[], nn.Module] = make_model,
+    step: PlainStep = train_step,
+    clock: Clock | None = None,
+    inspect: Callable[[nn.Module, torch.optim.Optimizer], object] | None = None,
+) -> float:
+    """The plain loop's seconds over ``timed``; by default this script's MLP and step.
+    ``clock``: see ``timed_loop``; ``inspect`` sees the model and optimizer after the steps."""
+    model = make()
+    optimizer = torch.optim.Adam(model.parameters(), lr=LEARNING_RATE)
+    for batch in warmup:
+        step(model, optimizer, batch)
+    seconds = timed_loop(timed, lambda batch: step(model, optimizer, batch), clock)
+    if inspect is not None:
+        inspect(model, optimizer)
+    return seconds
+
+
+ReplicaStep = Callable[[Any], torch.Tensor]
+
+
+def mlp_replica_step(model: Any, optimizer: Any) -> ReplicaStep:
+    """The step each replica runs, for the mirrored ``model`` and ``optimizer``."""
+
+    def step(batch: Batch) -> torch.Tensor:
+        x, y = batch
+        loss = mirrored.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    return step
+
+
+def time_mirrored(
+    devices: Sequence[str],
+    warmup: Sequence[Any],
+    timed: Sequence[Any],
+    make: Callable[[], nn.Module] = make_model,
+    make_step: Callable[[Any, Any], ReplicaStep] = mlp_replica_step,
+    clock: Clock | None = None,
+    inspect: Callable[[mirrored.MirroredStrategy, Any, Any], object] | None = None,
+) -> float:
+    """Splitting the batches (experimental_distribute_dataset) is timed: it is part of the cost.
+    By default this script's MLP and step; ``clock``: see ``timed_loop`` (``input`` is ``next()``
+    of the distributed dataset); ``inspect`` sees the strategy, mirrored model and optimizer
+    after the steps."""
     strategy = mirrored.MirroredStrategy(devices=devices)
     try:
-        net = make_model()
+        net = make()
         adam = torch.optim.Adam(net.parameters(), lr=LEARNING_RATE)
         model, optimizer = strategy.mirror(net, adam)
-
-        def step(batch: Batch) -> torch.Tensor:
-            x, y = batch
-            loss = mirrored.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"))
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            return loss
-
+        step = make_step(model, optimizer)
         for batch in strategy.experimental_distribute_dataset(warmup):
             strategy.run(step, args=(batch,))
-        start = time.perf_counter()
-        for batch in strategy.experimental_distribute_dataset(timed):
-            strategy.run(step, args=(batch,))
-        return time.perf_counter() - start
+        seconds = timed_loop(
+            strategy.experimental_distribute_dataset(timed),
+            lambda batch: strategy.run(step, args=(batch,)),
+            clock,
+        )
+        if inspect is not None:
+            inspect(strategy, model, optimizer)
+        return seconds
     finally:
         strategy.close()
 
@@ -170,34 +254,54 @@ def _ddp_worker(
         dist.destroy_process_group()
 
 
-class DdpPeer:
-    """The DDP processes, started once and kept idle between their turns (see module docstring)."""
+class Peer:
+    """Processes started once and kept idle (blocked on a pipe) between their turns; each command
+    goes to every process and the answer comes from the first. ``target(rank, *args, commands,
+    results)`` runs in each, answers "ready" once set up, then serves commands until "stop".
+    ``environ``: variables set while the processes start (so they see them from their first
+    line)."""
 
-    def __init__(self, steps: int, batch_size: int) -> None:
+    def __init__(
+        self,
+        target: Callable[..., None],
+        args: tuple[Any, ...],
+        num_processes: int,
+        name: str,
+        environ: dict[str, str] | None = None,
+    ) -> None:
         context = mp.get_context("spawn")
-        port = free_port()
-        self._commands = [context.SimpleQueue() for _ in range(DDP_WORLD_SIZE)]
+        self.name = name
+        self._commands = [context.SimpleQueue() for _ in range(num_processes)]
         self._results = context.Queue()
         self._processes = [
             context.Process(
-                target=_ddp_worker,
-                args=(rank, port, steps, batch_size, self._commands[rank], self._results),
-                name=f"ddp-rank-{rank}",
+                target=target,
+                args=(rank, *args, self._commands[rank], self._results),
+                name=f"{name.lower()}-rank-{rank}",
             )
-            for rank in range(DDP_WORLD_SIZE)
+            for rank in range(num_processes)
         ]
-        for process in self._processes:
-            process.start()
+        saved = {key: os.environ.get(key) for key in environ or {}}
         try:
-            self._receive()  # "ready": both ranks are in the group and hold their data
+            os.environ.update(environ or {})
+            for process in self._processes:
+                process.start()
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+        try:
+            self.ready = self._receive()  # e.g. every rank is in the group and holds its data
         except BaseException:
             self.close()
             raise
 
-    def measure(self) -> float:
+    def ask(self, command: Any) -> Any:
         for commands in self._commands:
-            commands.put("run")
-        return float(self._receive())
+            commands.put(command)
+        return self._receive()
 
     def _receive(self) -> Any:
         """The next message from rank 0, or an error naming a rank that died meanwhile."""
@@ -208,7 +312,7 @@ class DdpPeer:
                 dead = [(p.name, p.exitcode) for p in self._processes if not p.is_alive()]
                 if dead:
                     raise RuntimeError(
-                        f"DDP worker(s) exited early (name, exit code): {dead}"
+                        f"{self.name} worker(s) exited early (name, exit code): {dead}"
                     ) from None
 
     def close(self) -> None:
@@ -221,11 +325,21 @@ class DdpPeer:
                 process.terminate()
                 process.join()
 
-    def __enter__(self) -> DdpPeer:
+    def __enter__(self) -> Peer:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+class DdpPeer(Peer):
+    """The DDP processes, started once and kept idle between their turns (see module docstring)."""
+
+    def __init__(self, steps: int, batch_size: int) -> None:
+        super().__init__(_ddp_worker, (free_port(), steps, batch_size), DDP_WORLD_SIZE, "DDP")
+
+    def measure(self) -> float:
+        return float(self.ask("run"))
 
 
 def machine_description() -> dict[str, Any]:
