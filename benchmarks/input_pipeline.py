@@ -27,8 +27,14 @@ import time
 from collections.abc import Iterator, Sequence
 
 import torch
-import torch.nn.functional as F
-from overhead import LEARNING_RATE, Batch, machine_description, make_batches, make_model
+from overhead import (
+    LEARNING_RATE,
+    Batch,
+    machine_description,
+    make_batches,
+    make_model,
+    mlp_replica_step,
+)
 
 import mirrored
 from mirrored import config
@@ -60,15 +66,7 @@ def measure(
     untimed steps."""
     net = make_model()
     model, optimizer = strategy.mirror(net, torch.optim.Adam(net.parameters(), lr=LEARNING_RATE))
-
-    def step(batch: Batch) -> torch.Tensor:
-        x, y = batch
-        loss = mirrored.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        return loss
-
+    step = mlp_replica_step(model, optimizer)
     options = mirrored.InputOptions(experimental_per_replica_buffer_size=buffer)
     batches = iter(strategy.experimental_distribute_dataset(source, options))
     for _ in range(warmup):
