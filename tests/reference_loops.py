@@ -52,6 +52,49 @@ class _ScaledSGD(torch.optim.SGD):
     """A user-defined optimizer (a subclass counts as unknown): the unsharded update path."""
 
 
+class DeepNet(nn.Module):
+    """Eight equal hidden layers (so shares can be even), a frozen embedding of the input and a
+    head no loss uses (its gradient stays None)."""
+
+    def __init__(self, features: int = 12, classes: int = 5, width: int = 24) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.inp = nn.Linear(features, width)
+        self.frozen = nn.Linear(width, width)
+        self.frozen.requires_grad_(False)
+        self.hidden = nn.ModuleList(nn.Linear(width, width) for _ in range(8))
+        self.out = nn.Linear(width, classes)
+        self.unused = nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.frozen(self.inp(x)))
+        for layer in self.hidden:
+            h = torch.relu(layer(h))
+        return self.out(h)
+
+
+def adamw(model: nn.Module) -> torch.optim.Optimizer:
+    """Two groups: decay on the weights only."""
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    biases = [p for n, p in model.named_parameters() if not n.endswith("weight")]
+    return torch.optim.AdamW(
+        [{"params": weights, "weight_decay": 0.1}, {"params": biases, "weight_decay": 0.0}],
+        lr=1e-2,
+    )
+
+
+def compiled_deep_net(strategy: mirrored.Strategy) -> mirrored.Model:
+    """A DeepNet under ``strategy``'s scope, compiled with AdamW's two groups."""
+    with strategy.scope():
+        net = DeepNet()
+        model = mirrored.Model(net)
+        model.compile(
+            optimizer=adamw(net),
+            loss=mirrored.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+    return model
+
+
 OPTIMIZERS: dict[str, Callable[[nn.Module], torch.optim.Optimizer]] = {
     "sgd": lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
     "sgd_momentum": lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
@@ -130,3 +173,13 @@ def assert_replicas_identical(model: mirrored.MirroredModule) -> None:
     for replica in model.replicas[1:]:
         for name, value in replica.state_dict().items():
             assert torch.equal(value.cpu(), first[name].cpu()), f"replica diverged at {name}"
+
+
+def assert_same_state(expected: dict, actual: dict) -> None:
+    """Two optimizer state dicts hold the same groups and (to float tolerance) state."""
+    assert actual["param_groups"] == expected["param_groups"]
+    assert sorted(actual["state"]) == sorted(expected["state"])
+    for index, state in expected["state"].items():
+        assert sorted(actual["state"][index]) == sorted(state)
+        for key, value in state.items():
+            torch.testing.assert_close(actual["state"][index][key], value, rtol=1e-5, atol=1e-6)

@@ -30,7 +30,12 @@ from mirrored.bucketing import PackedTensors
 from mirrored.context import ReplicaContext, current_replica_context
 from mirrored.cross_device_ops import HierarchicalCopyAllReduce
 from mirrored.gradient_reducer import OverlappedGradientReducer
-from mirrored.sharded_update import PER_PARAMETER_OPTIMIZERS, ShardedUpdate
+from mirrored.sharded_update import (
+    PER_PARAMETER_OPTIMIZERS,
+    ShardedUpdate,
+    load_own_copy,
+    state_bytes,
+)
 from mirrored.values import ReduceOp
 
 if TYPE_CHECKING:
@@ -245,10 +250,13 @@ class MirroredOptimizer:
         self._window = strategy.accumulation_window()
         # With local SGD, most updates are each replica's own (local_sgd.py).
         self._local = strategy.local_steps()
+        # With zero_stage, each parameter's owner alone updates it (zero_redundancy.py).
+        self._zero = strategy.zero_redundancy(optimizers, params)
         # Across processes, gradients are reduced while backward runs (gradient_reducer.py).
         self._reducer = strategy.gradient_reducer(params, self._window, self._local)
         if (
             self._reducer is None
+            and self._zero is None
             and self._local is None  # its replicas keep optimizer states of their own
             and len(optimizers) > 1
             and shared_memory
@@ -403,12 +411,16 @@ class MirroredOptimizer:
             )
             self._take_hyperparameters(replica_id, posted[0][0])
             everyone = [peer_grads for _, peer_grads in posted]
-            if self._sharded is not None:
+            if self._zero is not None and self._zero.stage == 2:
+                self._zero.reduce_gradients(replica, everyone)
+            elif self._sharded is not None:
                 self._sharded.reduce_gradients(replica_id, everyone)
             else:
                 self._all_reduce_gradients(replica, everyone)
             if self._running_stats[replica_id]:
                 self._average_running_stats(replica)
+        if self._zero is not None:
+            return self._zero.step(replica)
         if self._sharded is None:
             return optimizer.step()
         result = self._sharded.step(replica_id)
@@ -426,7 +438,7 @@ class MirroredOptimizer:
             self._take_hyperparameters(replica_id, posted[0])
         if self._running_stats[replica_id]:
             self._average_running_stats(replica)
-        result = optimizer.step()
+        result = optimizer.step() if self._zero is None else self._zero.step(replica)
         reducer.end_step(replica_id)
         return result
 
@@ -482,20 +494,41 @@ class MirroredOptimizer:
                 optimizer.zero_grad(set_to_none=True)
         if self._local is not None:
             self._local.align()
+        if self._zero is not None:
+            return  # each owner's state is the only one: nothing to copy
         if self._sharded is not None:
             self._sharded.share_state()
             return
         for optimizer in self.optimizers[1:]:
-            _load_own_copy(optimizer, self.optimizers[0].state_dict())
+            load_own_copy(optimizer, self.optimizers[0].state_dict())
+
+    @property
+    def zero_stage(self) -> int:
+        """The strategy's ``zero_stage`` this optimizer runs with (0: no sharding)."""
+        return 0 if self._zero is None else self._zero.stage
+
+    def state_bytes(self) -> list[int]:
+        """Bytes of optimizer state (its tensors) each local replica holds: the whole state on
+        every replica, or about 1/N of it with ``zero_stage`` (a tensor replicas share counts
+        once, for the first)."""
+        return state_bytes(self.optimizers)
 
     def state_dict(self) -> dict[str, Any]:
-        """The plain single-optimizer state (replica 0's; all replicas are identical)."""
+        """The plain single-optimizer state (replica 0's; all replicas are identical). With
+        ``zero_stage`` it is gathered from the owners of the parameters; across workers that
+        is a collective: call it on every worker at the same point."""
+        if self._zero is not None:
+            return self._zero.state_dict()
         return self.optimizers[0].state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load the same state into every replica's optimizer (moved to its device)."""
+        """Load the same state into every replica's optimizer (moved to its device); with
+        ``zero_stage``, each replica keeps the state of the parameters it owns."""
+        if self._zero is not None:
+            self._zero.load_state_dict(state_dict)
+            return
         for optimizer in self.optimizers:
-            _load_own_copy(optimizer, state_dict)
+            load_own_copy(optimizer, state_dict)
         if self._sharded is not None:
             self._sharded.share_state()
 
@@ -525,17 +558,8 @@ def replicate_optimizer(
     # An LR scheduler wraps the original's bound step() in an instance attribute; the copy must
     # use its own class method, not the original's.
     replica.__dict__.pop("step", None)
-    _load_own_copy(replica, optimizer.state_dict())
+    load_own_copy(replica, optimizer.state_dict())
     return replica
-
-
-def _load_own_copy(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
-    """Load ``state_dict`` into ``optimizer`` without sharing its tensors.
-
-    ``Optimizer.load_state_dict`` keeps tensors already on the right device, so replicas on
-    logical devices of one physical device would share (and update N times) the same state.
-    """
-    optimizer.load_state_dict(copy.deepcopy(state_dict))
 
 
 def check_optimizer_params(module: nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -23,6 +23,7 @@ from mirrored.rendezvous import Rendezvous
 from mirrored.replica_workers import Outcome, ReplicaWorkers
 from mirrored.strategy import Strategy
 from mirrored.values import flatten
+from mirrored.zero_redundancy import check_zero_stage
 
 __all__ = ["MirroredStrategy"]
 
@@ -53,6 +54,10 @@ class MirroredStrategy(Strategy):
         load_balancing: ``LoadBalancing(every_steps, smoothing)``: split each global batch of
             ``experimental_distribute_dataset`` (and ``fit``) by the measured speed of each
             replica (:mod:`mirrored.load_balancing`). None: evenly.
+        zero_stage: 1 shards the optimizer state of a mirrored optimizer over the replicas
+            (each parameter's owner alone updates it and keeps its state, about 1/N per
+            replica), 2 the gradients too; 0 (the default) keeps all of it on every replica
+            (:mod:`mirrored.zero_redundancy`). Needs one of torch's per-parameter optimizers.
     """
 
     def __init__(
@@ -64,8 +69,10 @@ class MirroredStrategy(Strategy):
         gradient_accumulation_steps: int = 1,
         local_sgd: LocalSGD | None = None,
         load_balancing: LoadBalancing | None = None,
+        zero_stage: int = 0,
     ) -> None:
         self.gradient_accumulation_steps = check_accumulation_steps(gradient_accumulation_steps)
+        self.zero_stage = check_zero_stage(zero_stage)
         if load_balancing is not None and not isinstance(load_balancing, LoadBalancing):
             raise TypeError(
                 f"load_balancing={load_balancing!r}: expected mirrored.LoadBalancing(...)"
@@ -73,6 +80,11 @@ class MirroredStrategy(Strategy):
         if local_sgd is not None and not isinstance(local_sgd, LocalSGD):
             raise TypeError(
                 f"local_sgd={local_sgd!r}: expected mirrored.LocalSGD(period=..., warmup_steps=...)"
+            )
+        if local_sgd is not None and zero_stage:
+            raise ValueError(
+                f"local_sgd and zero_stage={zero_stage} do not combine: local SGD updates every "
+                "replica with its own gradient, so each replica needs the whole optimizer state"
             )
         self.local_sgd = local_sgd
         if isinstance(devices, (str, torch.device)):

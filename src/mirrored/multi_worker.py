@@ -164,6 +164,9 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
             every k ``optimizer.step()`` calls; the backward passes in between send nothing.
         local_sgd: as for MirroredStrategy: local updates send nothing; the averages of the
             parameters cross the workers.
+        zero_stage: as for MirroredStrategy, over every replica of every worker: 1 keeps the
+            all-reduce during backward and all-gathers the updated parameters; 2 reduce-scatters
+            the gradients at ``optimizer.step()`` instead (no compression).
     """
 
     def __init__(
@@ -174,6 +177,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         *,
         gradient_accumulation_steps: int = 1,
         local_sgd: LocalSGD | None = None,
+        zero_stage: int = 0,
     ) -> None:
         options = communication_options or CommunicationOptions()
         if not isinstance(options, CommunicationOptions):
@@ -185,6 +189,12 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
                 f"cluster_resolver={cluster_resolver!r}: expected a mirrored cluster resolver "
                 "(TFConfigClusterResolver or TorchrunClusterResolver)"
             )
+        if zero_stage == 2 and options.compression is not None:
+            raise ValueError(
+                f"zero_stage=2 and compression={options.compression!r} do not combine: stage 2 "
+                "reduce-scatters the full-precision gradients at optimizer.step(); use "
+                "zero_stage=1 (compressed all-reduce during backward) or no compression"
+            )
         resolver = cluster_resolver or resolve_cluster()
         timeout = options.timeout_seconds or _DEFAULT_TIMEOUT_SECONDS
         if devices is None:
@@ -194,6 +204,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
             timeout_seconds=timeout,
             gradient_accumulation_steps=gradient_accumulation_steps,
             local_sgd=local_sgd,
+            zero_stage=zero_stage,
         )
         self.communication_options = options
         self.cluster_resolver = resolver
@@ -444,12 +455,17 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
                 ):
                     tensor.copy_(part.view_as(tensor))
 
+    def _workers_layout(self) -> tuple[list[int], int, WorkerGroup | None]:
+        return list(self._replicas_per_worker), self._group.rank, self._group
+
     def gradient_reducer(
         self,
         params: Sequence[Sequence[nn.Parameter]],
         window: AccumulationWindow | None,
         local: LocalSteps | None,
-    ) -> OverlappedGradientReducer:
+    ) -> OverlappedGradientReducer | None:
+        if self.zero_stage == 2:
+            return None  # the gradients are reduce-scattered at the step (zero_redundancy.py)
         bytes_per_pack = self.communication_options.bytes_per_pack
         reducer = OverlappedGradientReducer(
             self,

@@ -16,13 +16,22 @@ every replica. Where the user left ``foreach`` to torch, the owner uses the fore
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["PER_PARAMETER_OPTIMIZERS", "ShardedUpdate", "assign_owners"]
+__all__ = [
+    "PER_PARAMETER_OPTIMIZERS",
+    "ShardedUpdate",
+    "assign_owners",
+    "load_own_copy",
+    "state_bytes",
+    "step_owned",
+    "sum_owned_gradients",
+]
 
 PER_PARAMETER_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD,
@@ -63,6 +72,75 @@ def assign_owners(numels: Sequence[int], num_replicas: int) -> list[int]:
     return owners
 
 
+def sum_owned_gradients(
+    mine: Sequence[nn.Parameter],
+    owned: set[int],
+    everyone: Sequence[Sequence[torch.Tensor | None]],
+) -> None:
+    """Make the gradient of each parameter of ``mine`` whose id is in ``owned`` the sum of every
+    replica's (``everyone``: each replica's gradients, in replica order), reading the peers'
+    gradients in place (copied over when they live on another device) and adding in replica
+    order. A parameter no replica has a gradient for keeps ``grad=None``."""
+    for index, param in enumerate(mine):
+        if id(param) not in owned:
+            continue
+        parts = [g for grads in everyone if (g := grads[index]) is not None]
+        if not parts:
+            continue
+        device = param.device
+        if parts[0] is param.grad:  # this replica's gradient comes first: add in place
+            total, rest = parts[0], parts[1:]
+        elif len(parts) == 1:
+            total, rest = parts[0].to(device, copy=True), []
+        else:
+            total, rest = parts[0].to(device) + parts[1].to(device), parts[2:]
+        for part in rest:
+            total.add_(part.to(device, non_blocking=True))
+        param.grad = total
+
+
+def step_owned(optimizer: torch.optim.Optimizer, owned: set[int]) -> Any:
+    """``optimizer.step()`` over the parameters whose ids are in ``owned`` only (the others keep
+    their values and get no state); the groups are restored afterwards."""
+    saved = [(group["params"], group.get("foreach")) for group in optimizer.param_groups]
+    try:
+        for group, (params, _) in zip(optimizer.param_groups, saved, strict=True):
+            group["params"] = [p for p in params if id(p) in owned]
+            if _left_to_torch(group):
+                group["foreach"] = True
+        return optimizer.step()
+    finally:
+        for group, (params, foreach) in zip(optimizer.param_groups, saved, strict=True):
+            group["params"] = params
+            if "foreach" in group:
+                group["foreach"] = foreach
+
+
+def load_own_copy(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+    """Load ``state_dict`` into ``optimizer`` without sharing its tensors.
+
+    ``Optimizer.load_state_dict`` keeps tensors already on the right device, so replicas on
+    logical devices of one physical device would share (and update N times) the same state.
+    """
+    optimizer.load_state_dict(copy.deepcopy(state_dict))
+
+
+def state_bytes(optimizers: Sequence[torch.optim.Optimizer]) -> list[int]:
+    """Bytes of state tensors each optimizer holds; a tensor several hold (state shared by
+    replicas of one device) counts once, for the first."""
+    seen: set[int] = set()
+    sizes = []
+    for optimizer in optimizers:
+        size = 0
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor) and id(value) not in seen:
+                    seen.add(id(value))
+                    size += value.numel() * value.element_size()
+        sizes.append(size)
+    return sizes
+
+
 class ShardedUpdate:
     """Owner-only updates with shared optimizer state, for one mirrored optimizer."""
 
@@ -96,22 +174,7 @@ class ShardedUpdate:
         reading its peers' gradients in place (``everyone``: each replica's gradients, as posted
         at the step's first sync point; no packing, nothing written to peers). Afterwards a
         replica's other gradients are its own share only, consumed by this step."""
-        mine = self.params[replica_id]
-        for index, owner in enumerate(self.owners):
-            if owner != replica_id:
-                continue
-            parts: list[torch.Tensor] = [g for grads in everyone if (g := grads[index]) is not None]
-            if not parts:
-                continue
-            if parts[0] is mine[index].grad:  # this replica's gradient comes first: add in place
-                total, rest = parts[0], parts[1:]
-            elif len(parts) == 1:
-                total, rest = parts[0].clone(), []
-            else:
-                total, rest = parts[0] + parts[1], parts[2:]
-            for part in rest:
-                total.add_(part)
-            mine[index].grad = total
+        sum_owned_gradients(self.params[replica_id], self._owned_ids[replica_id], everyone)
 
     def step(self, replica_id: int) -> Any:
         """Update the parameters ``replica_id`` owns, publish new state, copy them to peers.
@@ -119,19 +182,7 @@ class ShardedUpdate:
         The caller must make replicas wait for each other before the parameters are read again.
         """
         optimizer = self.optimizers[replica_id]
-        owned = self._owned_ids[replica_id]
-        saved = [(group["params"], group.get("foreach")) for group in optimizer.param_groups]
-        try:
-            for group, (params, _) in zip(optimizer.param_groups, saved, strict=True):
-                group["params"] = [p for p in params if id(p) in owned]
-                if _left_to_torch(group):
-                    group["foreach"] = True
-            result = optimizer.step()
-        finally:
-            for group, (params, foreach) in zip(optimizer.param_groups, saved, strict=True):
-                group["params"] = params
-                if "foreach" in group:
-                    group["foreach"] = foreach
+        result = step_owned(optimizer, self._owned_ids[replica_id])
         mine = self.params[replica_id]
         peers = [r for r in range(len(self.optimizers)) if r != replica_id]
         with torch.no_grad():

@@ -36,10 +36,12 @@ from mirrored.local_sgd import LocalSGD, LocalSteps
 from mirrored.rendezvous import Rendezvous, ReplicaAbortedError, ReplicaExchange
 from mirrored.replica_workers import Outcome
 from mirrored.values import PerReplica, ReduceOp, flatten, map_structure, regroup, select_replica
+from mirrored.zero_redundancy import ZeroRedundancy
 
 if TYPE_CHECKING:
     from mirrored.gradient_reducer import OverlappedGradientReducer
     from mirrored.mirror import MirroredModule, MirroredOptimizer
+    from mirrored.worker_group import WorkerGroup
 
 __all__ = ["Strategy", "add_note", "default_strategy"]
 
@@ -64,6 +66,9 @@ class Strategy:
     # Periodic parameter averaging instead of a gradient all-reduce per update
     # (:mod:`mirrored.local_sgd`); only the mirrored strategies take one.
     local_sgd: LocalSGD | None = None
+    # Sharded optimizer state (1) and gradients (2) (:mod:`mirrored.zero_redundancy`); only the
+    # mirrored strategies take another value than 0.
+    zero_stage = 0
 
     def __init__(
         self,
@@ -449,6 +454,24 @@ class Strategy:
         the optimizer's accumulation window, if it accumulates; ``local``: its local SGD
         schedule, if any (local updates reduce nothing)."""
         return None
+
+    def zero_redundancy(
+        self,
+        optimizers: Sequence[torch.optim.Optimizer],
+        params: Sequence[Sequence[torch.nn.Parameter]],
+    ) -> ZeroRedundancy | None:
+        """A new mirrored optimizer's sharding of its state over the replicas (None: with
+        ``zero_stage=0`` every replica keeps all of it)."""
+        if self.zero_stage == 0:
+            return None
+        replicas_per_worker, worker, group = self._workers_layout()
+        return ZeroRedundancy(
+            self.zero_stage, optimizers, params, replicas_per_worker, worker, group
+        )
+
+    def _workers_layout(self) -> tuple[list[int], int, WorkerGroup | None]:
+        """How many replicas each worker runs, this worker's rank and the workers' group."""
+        return [len(self.devices)], 0, None
 
     def local_steps(self) -> LocalSteps | None:
         """A new mirrored optimizer's local SGD schedule (None: every update is synchronous)."""

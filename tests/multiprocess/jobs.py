@@ -20,7 +20,15 @@ import mirrored
 from mirrored import config, same_host_all_reduce
 from mirrored.same_host_all_reduce import SameHostAllReduce
 from tests.multiprocess import parameter_server_jobs
-from tests.reference_loops import OPTIMIZERS, make_batches, make_mlp, train_mirrored
+from tests.reference_loops import (
+    OPTIMIZERS,
+    DeepNet,
+    adamw,
+    compiled_deep_net,
+    make_batches,
+    make_mlp,
+    train_mirrored,
+)
 
 
 def _strategy(
@@ -29,6 +37,7 @@ def _strategy(
     gradient_accumulation_steps: int = 1,
     local_sgd: mirrored.LocalSGD | None = None,
     compression: str | None = None,
+    zero_stage: int = 0,
 ) -> mirrored.MultiWorkerMirroredStrategy:
     """AUTO sums CPU tensors through shared memory between workers on one machine; tests of
     gloo's path set MIRRORED_TEST_IMPLEMENTATION=RING."""
@@ -42,6 +51,7 @@ def _strategy(
         ),
         gradient_accumulation_steps=gradient_accumulation_steps,
         local_sgd=local_sgd,
+        zero_stage=zero_stage,
     )
 
 
@@ -290,6 +300,27 @@ def digits(out: Path, compression: str = "") -> None:
         model.fit(x[:1500], y[:1500], batch_size=64, epochs=12, verbose=0)
         accuracy = model.evaluate(x[1500:], y[1500:], verbose=0, return_dict=True)["accuracy"]
         _save(strategy, out, {"accuracy": accuracy, "state": model.module.state_dict()})
+
+
+def zero(out: Path, stage: str) -> None:
+    """zero_stage=``stage``: the custom loop on DeepNet with AdamW, each replica's share of the
+    optimizer state, the consolidated state_dict (a collective), then fit and Model.save."""
+    with _strategy(zero_stage=int(stage)) as strategy:
+        model = DeepNet()
+        mirrored_model, optimizer, _ = train_mirrored(
+            strategy, model, adamw(model), make_batches(num_examples=6 * 16)
+        )
+        result = {
+            "replicas": [r.state_dict() for r in mirrored_model.replicas],
+            "state_bytes": optimizer.state_bytes(),
+            "optimizer": optimizer.state_dict(),
+        }
+        x, y = fit_data()
+        fitted = compiled_deep_net(strategy)
+        fitted.fit(x, y, batch_size=32, epochs=1, verbose=0)
+        fitted.save(out / "model.pt")
+        result["fitted"] = fitted.state_dict()
+        _save(strategy, out, result)
 
 
 def fit_data() -> tuple[torch.Tensor, torch.Tensor]:
@@ -559,6 +590,7 @@ JOBS: dict[str, Callable[..., None]] = {
         uneven_input,
         seeded_per_rank,
         backup,
+        zero,
         *parameter_server_jobs.JOBS,
     )
 }

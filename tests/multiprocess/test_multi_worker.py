@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import mirrored
+from mirrored.sharded_update import state_bytes
 from tests.multiprocess.jobs import compile_mlp, fit_data, shuffled_loader
 from tests.multiprocess.spawn import (
     assert_all_succeeded,
@@ -26,6 +27,9 @@ from tests.multiprocess.spawn import (
 )
 from tests.reference_loops import (
     OPTIMIZERS,
+    DeepNet,
+    adamw,
+    assert_same_state,
     make_batches,
     make_mlp,
     merge_batches,
@@ -205,6 +209,32 @@ def test_training_with_16_bit_gradients_on_the_wire_converges_as_with_float32(
         # and training converged as well (to within 2 points on the held-out digits).
         assert any(not torch.equal(v, first["state"][k]) for k, v in exact["state"].items())
         assert first["accuracy"] > exact["accuracy"] - 0.02, (compression, first, exact)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_shards_the_optimizer_state_over_every_replica_of_every_worker(
+    tmp_path: Path, stage: int
+) -> None:
+    assert_all_succeeded(run_workers("zero", tmp_path, args=[str(stage)], logical_devices=2))
+    results = _results(tmp_path)
+    expected = DeepNet()
+    optimizer = adamw(expected)
+    train_plain(expected, optimizer, make_batches(num_examples=6 * 16))
+    for result in results:
+        for replica in result["replicas"]:
+            _assert_close(expected.state_dict(), replica)
+        assert_same_state(optimizer.state_dict(), result["optimizer"])
+    # 4 replicas (2 workers x 2 logical devices): each holds a quarter of Adam's state.
+    shares = results[0]["state_bytes"] + results[1]["state_bytes"]
+    whole = sum(state_bytes([optimizer]))
+    assert sum(shares) == whole
+    assert max(shares) <= whole / 4 * 1.25, shares
+    # Model.save gathered the whole state on every worker; the chief wrote it.
+    saved = torch.load(tmp_path / "model.pt", weights_only=True)
+    _assert_close(results[0]["fitted"], saved["model"])
+    _assert_close(results[1]["fitted"], saved["model"])
+    trained = [p for name, p in expected.named_parameters() if "frozen" not in name]
+    assert len(saved["optimizer"]["state"]) == len(trained) - 2  # the unused head has no state
 
 
 def test_powersgd_sends_rank_r_factors_and_whole_vectors(tmp_path: Path) -> None:

@@ -116,11 +116,13 @@ class BackupAndRestore(Callback):
             return
         self._frequency.saved()
 
+        training = model.training_state()  # on every worker: it may gather (zero_stage)
+
         def write() -> None:
             progress, epoch_rng, metrics = model._fit_position()
             backup = {
                 "format": _FORMAT,
-                "training": model.training_state(),
+                "training": training,
                 "progress": progress,
                 "rng": rng_state.capture(),
                 "epoch_rng": epoch_rng,

@@ -697,9 +697,10 @@ class Model:
                 [self._mirrored_module()],
             )
             return
-        self.strategy.save_on_chief(
-            lambda: checkpoint.save({"format": _MODEL_FORMAT, **self.training_state()}, filepath)
-        )
+        # Every worker gathers the state (the optimizer's may be sharded: zero_stage); the chief
+        # writes it.
+        state = {"format": _MODEL_FORMAT, **self.training_state()}
+        self.strategy.save_on_chief(lambda: checkpoint.save(state, filepath))
 
     def load(self, filepath: str | Path) -> None:
         """Restore a file written by ``save`` into this compiled model."""

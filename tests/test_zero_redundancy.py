@@ -1,0 +1,194 @@
+"""ZeRO (zero_stage=1/2): the parameters of the unsharded run, 1/N of the optimizer state per
+replica, and the plain single-optimizer state_dict."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mirrored
+from mirrored.sharded_update import state_bytes
+from mirrored.zero_redundancy import plan_segments
+from tests.reference_loops import (
+    CROSS_DEVICE_OPS,
+    Batch,
+    DeepNet,
+    adamw,
+    assert_replicas_identical,
+    assert_same_parameters,
+    assert_same_state,
+    compiled_deep_net,
+    make_batches,
+    merge_batches,
+    train_mirrored,
+    train_plain,
+)
+
+DEVICES = ["cpu:0", "cpu:1", "cpu:2", "cpu:3"]
+
+
+def sgd_momentum(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True)
+
+
+@pytest.mark.parametrize(
+    ("num_replicas", "stage", "ops", "make_optimizer"),
+    [
+        (2, 1, "one_device", adamw),  # bucketed all-reduce, then owners update
+        (2, 2, "default", adamw),  # owners sum the gradients
+        (3, 1, "hierarchical", sgd_momentum),
+        (4, 2, "default", sgd_momentum),
+        (4, 1, "default", adamw),
+    ],
+)
+def test_sharded_training_equals_one_device_with_1_over_n_of_the_state(
+    num_replicas: int, stage: int, ops: str, make_optimizer
+) -> None:
+    batches = make_batches(num_examples=6 * 16, batch_size=16)
+    expected = DeepNet()
+    plain_optimizer = make_optimizer(expected)
+    train_plain(expected, plain_optimizer, batches)
+    model = DeepNet()
+    with mirrored.MirroredStrategy(
+        DEVICES[:num_replicas], CROSS_DEVICE_OPS[ops](), zero_stage=stage
+    ) as strategy:
+        mirrored_model, optimizer, _ = train_mirrored(
+            strategy, model, make_optimizer(model), batches
+        )
+        assert optimizer.zero_stage == stage
+        assert_same_parameters(expected, mirrored_model.module)
+        assert_replicas_identical(mirrored_model)
+        # Every parameter's state lives on one replica only; together they are the whole.
+        whole = sum(state_bytes([plain_optimizer]))
+        shares = optimizer.state_bytes()
+        assert sum(shares) == whole
+        assert max(shares) <= whole / num_replicas * 1.25, shares
+        assert_same_state(plain_optimizer.state_dict(), optimizer.state_dict())
+
+
+def _step_keeping_gradients(batch: Batch, model, optimizer) -> None:
+    x, y = batch
+    loss = mirrored.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"))
+    loss.backward()
+    optimizer.step()  # no zero_grad: the test reads what the step left
+
+
+def test_stage_2_leaves_each_reduced_gradient_on_its_owner_only() -> None:
+    batches = make_batches(num_examples=32, batch_size=32)
+    expected = DeepNet()
+    F.cross_entropy(expected(batches[0][0]), batches[0][1]).backward()
+    with mirrored.MirroredStrategy(DEVICES[:2], zero_stage=2) as strategy:
+        net = DeepNet()
+        model, optimizer = strategy.mirror(net, adamw(net))
+        batch = next(iter(strategy.experimental_distribute_dataset(batches)))
+        strategy.run(_step_keeping_gradients, (batch, model, optimizer))
+        for index, (name, reference) in enumerate(expected.named_parameters()):
+            grads = [list(replica.parameters())[index].grad for replica in model.replicas]
+            held = [g for g in grads if g is not None]
+            if reference.grad is None:
+                assert not held, name
+                continue
+            assert len(held) == 1, f"{name}: held by {len(held)} replicas"
+            torch.testing.assert_close(held[0], reference.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_state_dict_round_trip_resumes_the_same_training(tmp_path: Path) -> None:
+    batches = make_batches(num_examples=8 * 16, batch_size=16)
+    first, second = batches[:4], batches[4:]
+    expected = DeepNet()
+    expected_optimizer = adamw(expected)
+    train_plain(expected, expected_optimizer, first)
+    model = DeepNet()
+    with mirrored.MirroredStrategy(DEVICES[:2], zero_stage=1) as strategy:
+        _, optimizer, _ = train_mirrored(strategy, model, adamw(model), first)
+        torch.save(optimizer.state_dict(), tmp_path / "optimizer.pt")
+    train_plain(expected, expected_optimizer, second)
+    # A new run on 3 replicas (other owners) resumes from the file.
+    resumed = copy.deepcopy(model)
+    optimizer_state = torch.load(tmp_path / "optimizer.pt")
+    with mirrored.MirroredStrategy(DEVICES[:3], zero_stage=2) as strategy:
+        resumed_model, resumed_optimizer = strategy.mirror(resumed, adamw(resumed))
+        resumed_optimizer.load_state_dict(optimizer_state)
+        assert sum(resumed_optimizer.state_bytes()) == sum(state_bytes([expected_optimizer]))
+        for batch in strategy.experimental_distribute_dataset(second):
+            strategy.run(_replica_step, (batch, resumed_model, resumed_optimizer))
+        assert_same_parameters(expected, resumed_model.module)
+        assert_same_state(expected_optimizer.state_dict(), resumed_optimizer.state_dict())
+
+
+def _replica_step(batch: Batch, model, optimizer) -> None:
+    _step_keeping_gradients(batch, model, optimizer)
+    optimizer.zero_grad()
+
+
+def test_fit_and_save_with_sharded_state_equal_fit_without(tmp_path: Path) -> None:
+    x = torch.randn(96, 12, generator=torch.Generator().manual_seed(0))
+    y = torch.randint(0, 5, (96,), generator=torch.Generator().manual_seed(1))
+    results = []
+    for zero_stage in (0, 2):
+        torch.manual_seed(7)
+        with mirrored.MirroredStrategy(DEVICES[:2], zero_stage=zero_stage) as strategy:
+            model = compiled_deep_net(strategy)
+            model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+            model.save(tmp_path / f"zero{zero_stage}.pt")
+            results.append((model.module, torch.load(tmp_path / f"zero{zero_stage}.pt")))
+    (plain_module, plain_file), (sharded_module, sharded_file) = results
+    assert_same_parameters(plain_module, sharded_module)
+    assert_same_state(plain_file["optimizer"], sharded_file["optimizer"])
+
+
+def test_segments_hold_each_workers_share_end_to_end() -> None:
+    params = [nn.Parameter(torch.zeros(n)) for n in (5, 3, 4)] + [
+        nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    ]
+    layouts = plan_segments(params, {0: 0, 1: 1, 2: 1, 3: 0}, num_workers=2)
+    by_dtype = {layout.dtype: layout for layout in layouts}
+    assert by_dtype[torch.float32].segment == 7  # worker 1's 3 + 4
+    assert by_dtype[torch.float32].slots == ((0, 0, 5), (1, 7, 3), (2, 10, 4))
+    assert by_dtype[torch.float64].segment == 2
+    assert by_dtype[torch.float64].slots == ((3, 0, 2),)
+
+
+@pytest.mark.parametrize("zero_stage", [3, -1, True, 1.0])
+def test_zero_stage_must_be_0_1_or_2(zero_stage) -> None:
+    with pytest.raises(ValueError, match=r"zero_stage=.*expected 0 .*, 1 .* or 2"):
+        mirrored.MirroredStrategy(DEVICES[:2], zero_stage=zero_stage)
+
+
+def test_local_sgd_and_zero_do_not_combine() -> None:
+    with pytest.raises(ValueError, match="local_sgd and zero_stage=1 do not combine"):
+        mirrored.MirroredStrategy(DEVICES[:2], zero_stage=1, local_sgd=mirrored.LocalSGD(2))
+
+
+def test_an_optimizer_of_unknown_update_is_refused_at_mirror() -> None:
+    class Scaled(torch.optim.SGD):
+        pass
+
+    with mirrored.MirroredStrategy(DEVICES[:2], zero_stage=1) as strategy:
+        model = DeepNet()
+        with pytest.raises(TypeError, match=r"zero_stage=1 needs an optimizer .* got Scaled"):
+            strategy.mirror(model, Scaled(model.parameters(), lr=0.1))
+
+
+def test_sharded_state_with_gradient_accumulation_equals_one_step_on_the_window() -> None:
+    batches = make_batches(num_examples=8 * 16, batch_size=16)
+    expected = DeepNet()
+    train_plain(expected, adamw(expected), merge_batches(batches, 2))
+    model = DeepNet()
+    with mirrored.MirroredStrategy(
+        DEVICES[:2], zero_stage=2, gradient_accumulation_steps=2
+    ) as strategy:
+        mirrored_model, _, _ = train_mirrored(strategy, model, adamw(model), batches)
+        assert_same_parameters(expected, mirrored_model.module)
+
+
+def test_stage_2_refuses_compressed_gradients() -> None:
+    with pytest.raises(ValueError, match="zero_stage=2 and compression='bf16' do not combine"):
+        mirrored.MultiWorkerMirroredStrategy(
+            mirrored.CommunicationOptions(compression="bf16"), zero_stage=2
+        )
