@@ -342,6 +342,20 @@ class DdpPeer(Peer):
         return float(self.ask("run"))
 
 
+def start_benchmark(settings: str, logical_devices: int) -> dict[str, Any]:
+    """Print the machine and the run's ``settings``, give torch every core and split the CPU
+    into ``logical_devices`` logical devices; returns the machine's description."""
+    machine = machine_description()
+    print(", ".join(f"{key}: {value}" for key, value in machine.items()))
+    print(settings)
+    torch.set_num_threads(os.cpu_count() or 1)
+    cpu = config.list_physical_devices("CPU")[0]
+    config.set_logical_device_configuration(
+        cpu, [config.LogicalDeviceConfiguration()] * logical_devices
+    )
+    return machine
+
+
 def machine_description() -> dict[str, Any]:
     """What the figures depend on; the load average shows whether something else was running."""
     return {
