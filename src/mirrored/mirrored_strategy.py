@@ -56,8 +56,9 @@ class MirroredStrategy(Strategy):
             replica (:mod:`mirrored.load_balancing`). None: evenly.
         zero_stage: 1 shards the optimizer state of a mirrored optimizer over the replicas
             (each parameter's owner alone updates it and keeps its state: about 1/N per
-            replica, at least the largest parameter's), 2 the gradients too; 0 (the default) keeps all of it on every replica
-            (:mod:`mirrored.zero_redundancy`). Needs one of torch's per-parameter optimizers.
+            replica, at least the largest parameter's), 2 the gradients too; 0 (the default)
+            keeps all of it on every replica (:mod:`mirrored.zero_redundancy`). Needs one of
+            torch's per-parameter optimizers.
     """
 
     def __init__(
