@@ -19,17 +19,16 @@ gradients are reduce-scattered at ``optimizer.step()`` too; see ``mirrored.zero_
 
 Two figures per setting and stage, each against stage 0 of the same setting in the same run:
 
-- **state**: bytes of optimizer-state tensors each replica holds (``optimizer.state_bytes()``
-  after the timed steps; the largest over the replicas of every process) and its ratio to stage
-  0's. Goal: about 1/N for N replicas. Owners are whole parameters, balanced by size
-  (``assign_owners``), so no replica's share can fall below the largest parameter's: printed
-  as the floor. Also printed: the sum over all replicas. On logical CPU devices the saving per
-  replica is real, but all replicas share one process's RAM, and at stage 0 replicas of one
-  device already share one copy of the state (``sharded_update.py``): the process holds the same
-  state bytes at every stage. On GPUs (or across processes) each replica's share is on its own
-  device. Gradients are not counted: with ``zero_grad(set_to_none=True)`` no stage keeps any
-  between steps, and during backward every stage holds them all (stage 2 drops the others' at
-  the step).
+- **state**: bytes of optimizer-state tensors each replica holds (``optimizer.state_bytes()`` after
+  the timed steps; the largest over the replicas of every process) and its ratio to stage 0's. Goal:
+  about 1/N for N replicas. Owners hold equal ranges of the parameters end to end (``plan_pieces``),
+  so the 784x512 weight, 60% of the MLP, is cut between owners. Also printed: the sum over all
+  replicas. On logical CPU devices the saving per replica is real, but all replicas share one
+  process's RAM, and at stage 0 replicas of one device already share one copy of the state
+  (``sharded_update.py``): the process holds the same state bytes at every stage. On GPUs (or across
+  processes) each replica's share is on its own device. Gradients are not counted: with
+  ``zero_grad(set_to_none=True)`` no stage keeps any between steps, and during backward every stage
+  holds them all (stage 2 drops the others' at the step).
 - **step time**: ms per step of the fastest round (interference on a shared host only adds time,
   so the fastest is the least disturbed) and its ratio to stage 0's (above 1: slower), best to
   best; **paired**: the median over rounds of the ratio to the same round's stage 0.
@@ -92,12 +91,6 @@ Record = dict[str, Any]
 
 def flat_parameters(module: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
-
-
-def largest_parameter_share() -> float:
-    """The largest parameter's share of the MLP's: no owner's optimizer state is smaller."""
-    numels = [p.numel() for p in make_model().parameters()]
-    return max(numels) / sum(numels)
 
 
 # -- in this process ---------------------------------------------------------------------------
@@ -256,7 +249,7 @@ def summarize(
     return rows, differing
 
 
-def print_table(rows: Sequence[dict[str, Any]], floor: float) -> None:
+def print_table(rows: Sequence[dict[str, Any]]) -> None:
     print(
         f"\n{'setting':<12} {'stage':>5} {'state KiB/replica':>17} {'vs s0':>6} {'1/N':>5} "
         f"{'all replicas':>12} {'step ms':>8} {'vs s0':>7} {'paired':>7} {'|dp| vs s0':>10}"
@@ -274,10 +267,6 @@ def print_table(rows: Sequence[dict[str, Any]], floor: float) -> None:
         "about 1/N); all replicas: their sum (KiB); step ms: fastest round, vs s0: step time over "
         "stage 0's (above 1: slower), best to best; paired: median of per-round ratios; "
         "|dp| vs s0: largest difference of the final parameters from stage 0's"
-    )
-    print(
-        f"owners are whole parameters: the largest (784x512) is {floor:.1%} of the MLP's, so no "
-        f"replica's share of the state falls below {floor:.3f} of the whole"
     )
 
 
@@ -334,8 +323,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             )
 
     rows, differing = summarize(records, args.steps)
-    floor = largest_parameter_share()
-    print_table(rows, floor)
+    print_table(rows)
     if differing:
         print(f"final parameters differ from stage 0's (setting, stage, round): {differing}")
     split = [(r["setting"], r["stage"]) for r in rows if r["max_replica_spread"] > 0]
@@ -346,7 +334,6 @@ def main(argv: Sequence[str] | None = None) -> None:
             "machine": machine,
             "settings": {key: value for key, value in vars(args).items() if key != "json"},
             "warmup_steps": WARMUP_STEPS,
-            "largest_parameter_share": floor,
             "results": rows,
         }
         with open(args.json, "w") as file:

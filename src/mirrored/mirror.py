@@ -511,6 +511,8 @@ class MirroredOptimizer:
         """Bytes of optimizer state (its tensors) each local replica holds: the whole state on
         every replica, or about 1/N of it with ``zero_stage`` (a tensor replicas share counts
         once, for the first)."""
+        if self._zero is not None:
+            return self._zero.state_bytes()
         return state_bytes(self.optimizers)
 
     def state_dict(self) -> dict[str, Any]:

@@ -55,8 +55,8 @@ class MirroredStrategy(Strategy):
             ``experimental_distribute_dataset`` (and ``fit``) by the measured speed of each
             replica (:mod:`mirrored.load_balancing`). None: evenly.
         zero_stage: 1 shards the optimizer state of a mirrored optimizer over the replicas
-            (each parameter's owner alone updates it and keeps its state: about 1/N per
-            replica, at least the largest parameter's), 2 the gradients too; 0 (the default)
+            (each range of the parameters has one owner, which alone updates it and keeps
+            its state: 1/N per replica), 2 the gradients too; 0 (the default)
             keeps all of it on every replica (:mod:`mirrored.zero_redundancy`). Needs one of
             torch's per-parameter optimizers.
     """

@@ -2,12 +2,13 @@
 
 Mirrored training holds N copies of everything, and the optimizer state (Adam's: twice the
 parameters) is the largest copy no replica needs whole. With ``zero_stage`` (MirroredStrategy and
-MultiWorkerMirroredStrategy) every parameter the optimizer holds gets one owner among all replicas
-of all workers, balanced by size (:func:`mirrored.sharded_update.assign_owners`): only the owner's
-optimizer steps it and keeps its state, so optimizer-state memory per replica is about 1/N, but
-never below the largest parameter's share: owners are whole parameters (on benchmarks/zero.py's
-MLP, whose 784x512 weight is 60% of it, each replica keeps at most 0.6 at 2 and at 4 replicas).
-Splitting large parameters between owners is the next step.
+MultiWorkerMirroredStrategy) the parameters the optimizer holds, end to end, are cut into one
+range of nearly equal size per replica of every worker (:func:`plan_pieces`); only a range's
+owner steps it and keeps its state, so optimizer-state memory per replica is 1/N whatever the
+sizes of the tensors (one large embedding included). A parameter inside one range stays whole
+and is stepped by the owner's optimizer; the few cut between ranges (at most N-1) are stepped as
+pieces: parameters of their own over ranges of its storage, with an optimizer of the same kind
+and hyperparameters, which the updates being elementwise makes exact.
 
 - Stage 1: gradients are reduced as without ZeRO (across workers while backward runs, so
   clipping or unscaling before ``optimizer.step()`` sees the sums). Each owner updates its
@@ -22,14 +23,16 @@ Splitting large parameters between owners is the next step.
   the step rather than during backward.
 
 The update is the one every replica would have made (the same gradient sum, the same state) for
-optimizers whose update of a parameter reads only that parameter, its gradient and its own
-state: torch's built-ins in ``PER_PARAMETER_OPTIMIZERS``. ``state_dict()`` is the plain
-single-optimizer one, gathered from the owners; across workers that is a collective, so every
+optimizers whose update of a parameter is elementwise in that parameter, its gradient and its
+own state: torch's built-ins in ``PER_PARAMETER_OPTIMIZERS``. ``state_dict()`` is the plain
+single-optimizer one, gathered from the owners (pieces' states joined back into whole
+tensors); across workers that is a collective, so every
 worker calls it at the same point (``Model.save`` does).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from collections.abc import Sequence
@@ -40,8 +43,8 @@ from torch import nn
 
 from mirrored.sharded_update import (
     PER_PARAMETER_OPTIMIZERS,
-    assign_owners,
     load_own_copy,
+    state_bytes,
     step_owned,
     sum_owned_gradients,
 )
@@ -50,7 +53,14 @@ if TYPE_CHECKING:
     from mirrored.context import ReplicaContext
     from mirrored.worker_group import WorkerGroup
 
-__all__ = ["SegmentLayout", "ZeroRedundancy", "check_zero_stage", "plan_segments"]
+__all__ = [
+    "Piece",
+    "SegmentLayout",
+    "ZeroRedundancy",
+    "check_zero_stage",
+    "plan_pieces",
+    "plan_segments",
+]
 
 
 def check_zero_stage(zero_stage: int) -> int:
@@ -64,33 +74,82 @@ def check_zero_stage(zero_stage: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
+class Piece:
+    """Elements ``start`` to ``start + numel`` of the flattened parameter at ``position``."""
+
+    position: int
+    start: int
+    numel: int
+    whole: bool
+
+
+def plan_pieces(
+    numels: dict[int, int], splittable: set[int], frozen: set[int], num_replicas: int
+) -> tuple[list[Piece], list[int]]:
+    """The pieces of the parameters at the positions of ``numels`` (position -> numel) and the
+    replica that owns each: the parameters, end to end in position order, cut into
+    ``num_replicas`` ranges of nearly equal size, replica ``r`` owning range ``r``. A parameter
+    inside one range stays whole; at most ``num_replicas - 1`` are cut. One not in
+    ``splittable`` (not contiguous) stays whole with the range it starts in; one in ``frozen``
+    (no gradient, so no state) too, and counts for nothing."""
+    total = sum(numel for position, numel in numels.items() if position not in frozen)
+    bounds = [math.ceil(total * (r + 1) / num_replicas) for r in range(num_replicas)]
+    last = num_replicas - 1
+    pieces: list[Piece] = []
+    owners: list[int] = []
+    replica = filled = 0
+    for position, numel in sorted(numels.items()):
+        whole = position not in splittable or position in frozen or numel == 0
+        if whole:
+            pieces.append(Piece(position, 0, numel, True))
+            owners.append(replica)
+            filled += 0 if position in frozen else numel
+        start = numel if whole else 0
+        while start < numel:
+            room = bounds[replica] - filled
+            if room <= 0 and replica < last:
+                replica += 1
+                continue
+            size = numel - start if replica == last else min(room, numel - start)
+            pieces.append(Piece(position, start, size, size == numel))
+            owners.append(replica)
+            start += size
+            filled += size
+        while replica < last and filled >= bounds[replica]:
+            replica += 1
+    return pieces, owners
+
+
+@dataclasses.dataclass(frozen=True)
 class SegmentLayout:
-    """Where the parameters of one dtype sit in a flat buffer of one equal segment per worker:
-    segment ``w`` holds, in parameter order, the parameters worker ``w``'s replicas own."""
+    """Where the pieces of one dtype sit in a flat buffer of one equal segment per worker:
+    segment ``w`` holds, in order, the pieces worker ``w``'s replicas own."""
 
     dtype: torch.dtype
     segment: int
-    slots: tuple[tuple[int, int, int], ...]  # (position, offset in the whole buffer, numel)
+    slots: tuple[tuple[int, int], ...]  # (piece index, offset in the whole buffer)
 
 
 def plan_segments(
-    params: Sequence[nn.Parameter], worker_of: dict[int, int], num_workers: int
+    pieces: Sequence[Piece],
+    dtypes: Sequence[torch.dtype],
+    worker_of: Sequence[int],
+    num_workers: int,
 ) -> list[SegmentLayout]:
-    """One layout per dtype for the parameters at the positions of ``worker_of`` (position ->
-    the worker that owns it); segments are as long as the longest worker's share."""
+    """One layout per dtype (``dtypes``, ``worker_of``: each piece's dtype and the worker that
+    owns it); segments are as long as the longest worker's share."""
     shares: dict[torch.dtype, list[list[int]]] = {}
-    for position in sorted(worker_of):
-        lists = shares.setdefault(params[position].dtype, [[] for _ in range(num_workers)])
-        lists[worker_of[position]].append(position)
+    for index, (dtype, worker) in enumerate(zip(dtypes, worker_of, strict=True)):
+        shares.setdefault(dtype, [[] for _ in range(num_workers)])[worker].append(index)
     layouts = []
     for dtype, lists in shares.items():
-        segment = max(sum(params[i].numel() for i in share) for share in lists)
+        segment = max(sum(pieces[i].numel for i in share) for share in lists)
         slots = []
         for worker, share in enumerate(lists):
             offset = worker * segment
-            for position in share:
-                slots.append((position, offset, params[position].numel()))
-                offset += params[position].numel()
+            for index in share:
+                slots.append((index, offset))
+                offset += pieces[index].numel
         layouts.append(SegmentLayout(dtype, segment, tuple(slots)))
     return layouts
 
@@ -119,9 +178,10 @@ class ZeroRedundancy:
         if type(optimizers[0]) not in PER_PARAMETER_OPTIMIZERS:
             names = ", ".join(kind.__name__ for kind in PER_PARAMETER_OPTIMIZERS)
             raise TypeError(
-                f"zero_stage={stage} needs an optimizer whose update of a parameter reads only "
-                f"that parameter, its gradient and its own state (one of torch.optim's {names}); "
-                f"got {type(optimizers[0]).__name__}. Use zero_stage=0 for it"
+                f"zero_stage={stage} needs an optimizer whose update of a parameter is "
+                f"elementwise in that parameter, its gradient and its own state (one of "
+                f"torch.optim's {names}); got {type(optimizers[0]).__name__}. Use zero_stage=0 "
+                "for it"
             )
         self.stage = stage
         self.optimizers = list(optimizers)
@@ -129,29 +189,73 @@ class ZeroRedundancy:
         self._group = group
         self._worker = worker
         self._num_workers = len(replicas_per_worker)
-        first_replica = sum(replicas_per_worker[:worker])
-        held = {id(p) for group_ in optimizers[0].param_groups for p in group_["params"]}
-        positions = [i for i, p in enumerate(self.params[0]) if id(p) in held]
-        owners = assign_owners(
-            [self.params[0][i].numel() for i in positions], sum(replicas_per_worker)
+        first = self.params[0]
+        # Each held parameter's index in the optimizer's state_dict and its group.
+        order = [p for group_ in optimizers[0].param_groups for p in group_["params"]]
+        index_of = {id(p): k for k, p in enumerate(order)}
+        group_of = {
+            id(p): g
+            for g, group_ in enumerate(optimizers[0].param_groups)
+            for p in group_["params"]
+        }
+        positions = [i for i, p in enumerate(first) if id(p) in index_of]
+        self._index = {i: index_of[id(first[i])] for i in positions}
+        self._positions = positions
+        # The pieces and the global replica that owns each.
+        self.pieces, self.owners = plan_pieces(
+            {i: first[i].numel() for i in positions},
+            {i for i in positions if first[i].is_contiguous()},
+            {i for i in positions if not first[i].requires_grad},
+            sum(replicas_per_worker),
         )
-        # The global replica that owns the parameter at each position the optimizer holds.
-        self.owners = dict(zip(positions, owners, strict=True))
-        worker_of_replica = [w for w, n in enumerate(replicas_per_worker) for _ in range(n)]
+        first_replica = sum(replicas_per_worker[:worker])
         self._owned = [
-            {i for i, owner in self.owners.items() if owner == first_replica + r}
+            {k for k, owner in enumerate(self.owners) if owner == first_replica + r}
             for r in range(len(self.params))
         ]
-        self._owned_ids = [
-            {id(replica[i]) for i in owned}
+        # Whole parameters each replica owns (stepped by its optimizer) ...
+        self._whole = [
+            {self.pieces[k].position for k in owned if self.pieces[k].whole}
+            for owned in self._owned
+        ]
+        self._whole_ids = [
+            {id(replica[i]) for i in whole}
+            for replica, whole in zip(self.params, self._whole, strict=True)
+        ]
+        # ... and pieces of larger ones: parameters of their own over the same storage, stepped
+        # by an optimizer of the same kind.
+        self._piece_params: list[dict[int, nn.Parameter]] = [
+            {
+                k: nn.Parameter(
+                    replica[self.pieces[k].position].data.view(-1)[
+                        self.pieces[k].start : self.pieces[k].start + self.pieces[k].numel
+                    ]
+                )
+                for k in sorted(owned)
+                if not self.pieces[k].whole
+            }
             for replica, owned in zip(self.params, self._owned, strict=True)
         ]
+        self._piece_optimizers: list[tuple[torch.optim.Optimizer, list[int]] | None] = []
+        kind: Any = type(optimizers[0])  # torch's built-ins take their groups alone
+        for optimizer, pieces in zip(self.optimizers, self._piece_params, strict=True):
+            by_group: dict[int, list[nn.Parameter]] = {}
+            for k, piece in pieces.items():
+                group_index = group_of[id(first[self.pieces[k].position])]
+                by_group.setdefault(group_index, []).append(piece)
+            groups = [
+                {**_hyperparameters(optimizer.param_groups[g]), "params": ps}
+                for g, ps in by_group.items()
+            ]  # every hyperparameter given per group: the constructor's defaults go unused
+            self._piece_optimizers.append((kind(groups), list(by_group)) if groups else None)
+        worker_of_replica = [w for w, n in enumerate(replicas_per_worker) for _ in range(n)]
         self._layouts = plan_segments(
-            self.params[0],
-            {i: worker_of_replica[owner] for i, owner in self.owners.items()},
+            self.pieces,
+            [first[p.position].dtype for p in self.pieces],
+            [worker_of_replica[owner] for owner in self.owners],
             self._num_workers,
         )
-        self._device = self.params[0][0].device
+        self._device = first[0].device
         self._buffers = [
             torch.empty(self._num_workers * layout.segment, dtype=layout.dtype, device=self._device)
             for layout in self._layouts
@@ -163,59 +267,73 @@ class ZeroRedundancy:
             else torch.empty(layout.segment, dtype=layout.dtype, device=self._device)
             for layout, buffer in zip(self._layouts, self._buffers, strict=True)
         ]
-        for optimizer, owned_ids in zip(self.optimizers, self._owned_ids, strict=True):
-            for param in list(optimizer.state):
-                if id(param) not in owned_ids:  # a state the user's optimizer already had
-                    del optimizer.state[param]
+        self._has_grad: dict[int, bool] = {}
+        if optimizers[0].state:  # a state the user's optimizer already had: shard it
+            self.load_state_dict(optimizers[0].state_dict())
+
+    def _flat(self, r: int, k: int) -> torch.Tensor:
+        """Piece ``k`` of replica ``r``'s parameter, as a flat view (or a flat copy, for a
+        whole parameter that is not contiguous)."""
+        piece = self.pieces[k]
+        return self.params[r][piece.position].reshape(-1)[piece.start : piece.start + piece.numel]
 
     # -- the step ---------------------------------------------------------------------------------
     def reduce_gradients(
         self, replica: ReplicaContext, everyone: Sequence[Sequence[torch.Tensor | None]]
     ) -> None:
-        """Stage 2: make each owned parameter's gradient the sum over every replica of every
-        worker and drop the others (``everyone``: each local replica's gradients)."""
+        """Stage 2: give each owned parameter and piece the sum of its gradient over every
+        replica of every worker and drop the other gradients (``everyone``: each local
+        replica's gradients)."""
         r = replica.local_replica_id
         mine = self.params[r]
         if self._num_workers == 1:
-            sum_owned_gradients(mine, self._owned_ids[r], everyone)
+            sum_owned_gradients(mine, self._whole_ids[r], everyone)
+            for k, piece_param in self._piece_params[r].items():
+                piece = self.pieces[k]
+                parts = [g for grads in everyone if (g := grads[piece.position]) is not None]
+                piece_param.grad = _sum_range(parts, piece, piece_param.device)
         else:
             if r == 0:
                 self._reduce_scatter(everyone)
             replica.exchange.barrier("ZeRO: gradients reduce-scattered", cross_device=True)
-            start = self._worker
             for layout, send in zip(self._layouts, self._sends, strict=True):
-                for position, offset, numel in layout.slots:
-                    if position in self._owned[r] and self._has_grad[position]:
-                        param, local = mine[position], offset - start * layout.segment
-                        grad = send[local : local + numel].view_as(param)
-                        param.grad = grad.to(param.device, copy=True)
+                for k, offset in layout.slots:
+                    piece = self.pieces[k]
+                    if k not in self._owned[r] or not self._has_grad[piece.position]:
+                        continue
+                    local = offset - self._worker * layout.segment
+                    param = mine[piece.position]
+                    grad = send[local : local + piece.numel].to(param.device, copy=True)
+                    if piece.whole:
+                        param.grad = grad.view_as(param)
+                    else:
+                        self._piece_params[r][k].grad = grad
         # Owners have read every peer's gradient: the rest is no replica's to keep.
         replica.exchange.barrier("ZeRO: gradients read", cross_device=True)
-        for position in self.owners:
-            if position not in self._owned[r]:
+        for position in self._positions:
+            if position not in self._whole[r]:
                 mine[position].grad = None
 
     def _reduce_scatter(self, everyone: Sequence[Sequence[torch.Tensor | None]]) -> None:
         """Sum the local replicas' gradients into the buffers, then every worker's into the
         segment this worker owns (``self._sends``), in rank order."""
         assert self._group is not None
-        positions = sorted(self.owners)
         has = torch.tensor(
-            [float(any(grads[i] is not None for grads in everyone)) for i in positions],
+            [float(any(grads[i] is not None for grads in everyone)) for i in self._positions],
             device=self._group.meta_device,
         )
         self._group.all_reduce(has, "ZeRO: which parameters have gradients")
-        self._has_grad = dict(zip(positions, (bool(c) for c in has.tolist()), strict=True))
+        self._has_grad = dict(zip(self._positions, (bool(c) for c in has.tolist()), strict=True))
         for layout, buffer, send in zip(self._layouts, self._buffers, self._sends, strict=True):
-            for position, offset, numel in layout.slots:
-                view = buffer[offset : offset + numel]
-                parts = [g for grads in everyone if (g := grads[position]) is not None]
-                if not parts:
+            for k, offset in layout.slots:
+                piece = self.pieces[k]
+                parts = [g for grads in everyone if (g := grads[piece.position]) is not None]
+                view = buffer[offset : offset + piece.numel]
+                total = _sum_range(parts, piece, self._device)
+                if total is None:
                     view.zero_()
-                    continue
-                view.copy_(parts[0].reshape(-1))
-                for part in parts[1:]:
-                    view.add_(part.reshape(-1).to(self._device, non_blocking=True))
+                else:
+                    view.copy_(total)
             received = torch.empty_like(buffer)
             label = f"ZeRO: gradients ({_name(layout.dtype)})"
             self._group.all_to_all_async(received, buffer, label).wait()
@@ -225,17 +343,19 @@ class ZeroRedundancy:
                 send.add_(chunk)
 
     def step(self, replica: ReplicaContext) -> Any:
-        """Update the parameters this replica owns, then give every replica all of them."""
+        """Update the parameters and pieces this replica owns, then give every replica all of
+        them."""
         r = replica.local_replica_id
         mine, owned = self.params[r], self._owned[r]
-        result = step_owned(self.optimizers[r], self._owned_ids[r])
+        result = step_owned(self.optimizers[r], self._whole_ids[r])
+        self._step_pieces(r)
         with torch.no_grad():
             start = 0 if self._num_workers == 1 else self._worker
             for layout, send in zip(self._layouts, self._sends, strict=True):
-                for position, offset, numel in layout.slots:
-                    if position in owned:
+                for k, offset in layout.slots:
+                    if k in owned:
                         local = offset - start * layout.segment
-                        send[local : local + numel].copy_(mine[position].reshape(-1))
+                        send[local : local + self.pieces[k].numel].copy_(self._flat(r, k))
             replica.exchange.barrier("ZeRO: updated parameters packed", cross_device=True)
             if r == 0 and self._num_workers > 1:
                 assert self._group is not None
@@ -251,37 +371,89 @@ class ZeroRedundancy:
                     collective.wait()
             replica.exchange.barrier("ZeRO: parameters gathered", cross_device=True)
             for layout, buffer in zip(self._layouts, self._buffers, strict=True):
-                for position, offset, numel in layout.slots:
-                    if position not in owned:
-                        param = mine[position]
-                        param.copy_(buffer[offset : offset + numel].view_as(param))
+                for k, offset in layout.slots:
+                    if k in owned:
+                        continue
+                    piece = self.pieces[k]
+                    values = buffer[offset : offset + piece.numel]
+                    param = mine[piece.position]
+                    if piece.whole:
+                        param.copy_(values.view_as(param))
+                    else:
+                        param.view(-1)[piece.start : piece.start + piece.numel].copy_(values)
         return result
 
+    def _step_pieces(self, r: int) -> None:
+        """Step replica ``r``'s pieces with the hyperparameters its optimizer has now (at stage
+        1 their gradients are ranges of the reduced ones)."""
+        entry = self._piece_optimizers[r]
+        if entry is None:
+            return
+        optimizer, groups = entry
+        for piece_group, g in zip(optimizer.param_groups, groups, strict=True):
+            piece_group.update(_hyperparameters(self.optimizers[r].param_groups[g]))
+        pieces = self._piece_params[r]
+        if self.stage == 1:
+            for k, piece_param in pieces.items():
+                piece = self.pieces[k]
+                grad = self.params[r][piece.position].grad
+                piece_param.grad = (
+                    None
+                    if grad is None
+                    else grad.reshape(-1)[piece.start : piece.start + piece.numel]
+                )
+        step_owned(optimizer, {id(p) for p in pieces.values()})
+        for piece_param in pieces.values():
+            piece_param.grad = None
+
     # -- the state --------------------------------------------------------------------------------
+    def state_bytes(self) -> list[int]:
+        """Bytes of optimizer state each local replica holds, its pieces' included."""
+        return [
+            whole + (0 if entry is None else state_bytes([entry[0]])[0])
+            for whole, entry in zip(
+                state_bytes(self.optimizers), self._piece_optimizers, strict=True
+            )
+        ]
+
     def state_dict(self) -> dict[str, Any]:
         """The plain single-optimizer state, gathered from every owner (a collective across
         workers)."""
         merged = self.optimizers[0].state_dict()
-        state = dict(merged["state"])
-        for optimizer in self.optimizers[1:]:
-            state.update(optimizer.state_dict()["state"])
-        if self._num_workers > 1:
-            state = self._gather_state(state)
+        mine: dict[str, dict[str, Any]] = {}
+        for optimizer in self.optimizers:
+            for index, state in optimizer.state_dict()["state"].items():
+                mine[f"w{index}"] = state
+        for entry, pieces in zip(self._piece_optimizers, self._piece_params, strict=True):
+            for k, piece_param in pieces.items():
+                if entry is not None and piece_param in entry[0].state:
+                    mine[f"p{k}"] = dict(entry[0].state[piece_param])
+        gathered = mine if self._num_workers == 1 else self._gather_state(mine)
+        state = {int(key[1:]): value for key, value in gathered.items() if key[0] == "w"}
+        split: dict[int, list[int]] = {}
+        for k, piece in enumerate(self.pieces):
+            if not piece.whole:
+                split.setdefault(piece.position, []).append(k)
+        for position, ks in split.items():
+            parts = [gathered[f"p{k}"] for k in ks if f"p{k}" in gathered]
+            if len(parts) < len(ks):
+                continue  # never stepped: no state, as on one device
+            state[self._index[position]] = _joined(parts, self.params[0][position])
         merged["state"] = dict(sorted(state.items()))
         return merged
 
-    def _gather_state(self, mine: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
-        """Every worker's owned state entries, sent as JSON (layout, plain values) and one flat
+    def _gather_state(self, mine: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        """Every worker's state entries, sent as JSON (layout, plain values) and one flat
         tensor per dtype (no pickle on the wire)."""
         assert self._group is not None
         entries: list[list[Any]] = []
-        for index in sorted(mine):
-            for key, value in sorted(mine[index].items()):
+        for slot in sorted(mine):
+            for key, value in sorted(mine[slot].items()):
                 if isinstance(value, torch.Tensor):
                     description = {"tensor": [list(value.shape), _name(value.dtype)]}
                 else:
                     description = {"value": value}
-                entries.append([index, key, description])
+                entries.append([slot, key, description])
         try:
             everyone = self._group.all_gather_json(entries, "ZeRO: optimizer state entries")
         except TypeError as error:
@@ -289,7 +461,6 @@ class ZeroRedundancy:
                 f"ZeRO gathers an optimizer's state across workers as tensors and JSON values; "
                 f"{error}"
             ) from error
-        gathered: dict[int, dict[str, Any]] = {}
         dtypes = sorted({_tensor_dtype(e) for w in everyone for e in w} - {""})
         flats: dict[str, list[torch.Tensor]] = {}
         for name in dtypes:
@@ -304,31 +475,89 @@ class ZeroRedundancy:
                 flat[offset : offset + value.numel()].copy_(value.reshape(-1))
                 offset += value.numel()
             flats[name] = self._group.all_gather(flat, f"ZeRO: optimizer state ({name})")
+        gathered: dict[str, dict[str, Any]] = {}
         for worker, worker_entries in enumerate(everyone):
             offsets = dict.fromkeys(dtypes, 0)
-            for index, key, description in worker_entries:
-                slot = gathered.setdefault(int(index), {})
+            for slot, key, description in worker_entries:
+                state = gathered.setdefault(slot, {})
                 if "value" in description:
-                    slot[key] = description["value"]
+                    state[key] = description["value"]
                     continue
                 shape, name = description["tensor"]
                 numel = math.prod(shape)
                 if worker == self._worker:
-                    slot[key] = mine[index][key]
+                    state[key] = mine[slot][key]
                 else:
                     part = flats[name][worker][offsets[name] : offsets[name] + numel]
-                    slot[key] = part.view(shape).clone()
+                    state[key] = part.view(shape).clone()
                 offsets[name] += numel
         return gathered
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Give each local replica's optimizer the hyperparameters and its owned share of
-        ``state_dict``'s state (a plain single-optimizer state dict)."""
-        for optimizer, owned_ids in zip(self.optimizers, self._owned_ids, strict=True):
-            order = [p for group in optimizer.param_groups for p in group["params"]]
-            owned = {k for k, p in enumerate(order) if id(p) in owned_ids}
-            share = {k: v for k, v in state_dict["state"].items() if int(k) in owned}
+        ``state_dict``'s state (a plain single-optimizer state dict), its pieces' ranges
+        included."""
+        states = state_dict["state"]
+        for r, optimizer in enumerate(self.optimizers):
+            owned = {self._index[i] for i in self._whole[r]}
+            share = {k: v for k, v in states.items() if int(k) in owned}
             load_own_copy(optimizer, {**state_dict, "state": share})
+            entry = self._piece_optimizers[r]
+            if entry is None:
+                continue
+            for k, piece_param in self._piece_params[r].items():
+                piece = self.pieces[k]
+                whole = states.get(self._index[piece.position])
+                if whole is None:
+                    entry[0].state.pop(piece_param, None)
+                else:
+                    entry[0].state[piece_param] = _sliced(whole, piece, piece_param)
+
+
+def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in group.items() if key != "params"}
+
+
+def _sum_range(
+    parts: Sequence[torch.Tensor], piece: Piece, device: torch.device
+) -> torch.Tensor | None:
+    """The sum, in order, of ``piece``'s range of each gradient in ``parts`` (None if none)."""
+    if not parts:
+        return None
+    ranges = [p.reshape(-1)[piece.start : piece.start + piece.numel] for p in parts]
+    total = ranges[0].to(device, copy=True)
+    for part in ranges[1:]:
+        total.add_(part.to(device, non_blocking=True))
+    return total
+
+
+def _joined(parts: Sequence[dict[str, Any]], param: nn.Parameter) -> dict[str, Any]:
+    """One parameter's state from its pieces' (in order): their per-element tensors end to end,
+    shaped as the parameter; the rest (the step count) is the same in every piece."""
+    joined = {}
+    for key, value in parts[0].items():
+        if isinstance(value, torch.Tensor) and value.dim() == 1:
+            pieces = [part[key].to(value.device) for part in parts]
+            joined[key] = torch.cat(pieces).view(param.shape)
+        else:
+            joined[key] = value
+    return joined
+
+
+def _sliced(state: dict[str, Any], piece: Piece, piece_param: nn.Parameter) -> dict[str, Any]:
+    """A piece's share of a whole parameter's ``state``: its range of each per-element tensor
+    (on the piece's device, in its dtype unless it is the step count, as torch loads them)."""
+    sliced: dict[str, Any] = {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            part = value.reshape(-1)[piece.start : piece.start + piece.numel]
+            dtype = piece_param.dtype if value.is_floating_point() else value.dtype
+            sliced[key] = part.to(device=piece_param.device, dtype=dtype, copy=True)
+        elif isinstance(value, torch.Tensor):
+            sliced[key] = value.clone()
+        else:
+            sliced[key] = copy.deepcopy(value)
+    return sliced
 
 
 def _name(dtype: torch.dtype) -> str:

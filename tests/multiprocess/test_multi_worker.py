@@ -224,11 +224,12 @@ def test_zero_shards_the_optimizer_state_over_every_replica_of_every_worker(
         for replica in result["replicas"]:
             _assert_close(expected.state_dict(), replica)
         assert_same_state(optimizer.state_dict(), result["optimizer"])
-    # 4 replicas (2 workers x 2 logical devices): each holds a quarter of Adam's state.
+    # 4 replicas (2 workers x 2 logical devices): each holds a quarter of Adam's state (a
+    # parameter cut between two keeps a step count in each).
     shares = results[0]["state_bytes"] + results[1]["state_bytes"]
     whole = sum(state_bytes([optimizer]))
-    assert sum(shares) == whole
-    assert max(shares) <= whole / 4 * 1.25, shares
+    assert whole <= sum(shares) <= whole + 4 * 3
+    assert max(shares) <= whole / 4 * 1.05, shares
     # Model.save gathered the whole state on every worker; the chief wrote it.
     saved = torch.load(tmp_path / "model.pt", weights_only=True)
     _assert_close(results[0]["fitted"], saved["model"])
