@@ -186,9 +186,9 @@ def test_fit_and_save_with_sharded_state_equal_fit_without(tmp_path: Path) -> No
 
 def test_pieces_are_n_equal_ranges_of_the_parameters_end_to_end() -> None:
     # 40 elements over 4 replicas: ranges of 10; position 2 is not contiguous, so it stays
-    # whole; position 5 is frozen: whole, and it counts for nothing.
-    numels = {0: 25, 1: 3, 2: 8, 3: 0, 4: 4, 5: 100}
-    pieces, owners = plan_pieces(numels, {0, 1, 3, 4, 5}, frozen={5}, num_replicas=4)
+    # whole.
+    numels = {0: 25, 1: 3, 2: 8, 3: 0, 4: 4}
+    pieces, owners = plan_pieces(numels, {0, 1, 3, 4}, num_replicas=4)
     assert pieces == [
         Piece(0, 0, 10, False),
         Piece(0, 10, 10, False),
@@ -197,9 +197,8 @@ def test_pieces_are_n_equal_ranges_of_the_parameters_end_to_end() -> None:
         Piece(2, 0, 8, True),  # replica 2 holds 5 + 3 + 8 = 16: the one ragged range
         Piece(3, 0, 0, True),
         Piece(4, 0, 4, True),
-        Piece(5, 0, 100, True),
     ]
-    assert owners == [0, 1, 2, 2, 2, 3, 3, 3]
+    assert owners == [0, 1, 2, 2, 2, 3, 3]
 
 
 def test_segments_hold_each_workers_share_end_to_end() -> None:
@@ -252,3 +251,22 @@ def test_stage_2_refuses_compressed_gradients() -> None:
         mirrored.MultiWorkerMirroredStrategy(
             mirrored.CommunicationOptions(compression="bf16"), zero_stage=2
         )
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_parameter_unfrozen_after_mirroring_is_an_error_not_a_silent_constant(
+    stage: int,
+) -> None:
+    batches = make_batches(num_examples=32, batch_size=32)
+    with mirrored.MirroredStrategy(DEVICES[:2], zero_stage=stage) as strategy:
+        net = DeepNet()
+        model, optimizer = strategy.mirror(net, adamw(net))
+        batch = next(iter(strategy.experimental_distribute_dataset(batches)))
+        strategy.run(_replica_step, (batch, model, optimizer))  # frozen: fine
+        before = [p.clone() for p in model.module.parameters()]
+        model.frozen.requires_grad_(True)
+        with pytest.raises(RuntimeError, match=r"frozen \(requires_grad=False\) when the model"):
+            strategy.run(_replica_step, (batch, model, optimizer))
+        # Nothing was updated: the step stopped before any owner stepped.
+        for old, new in zip(before, model.module.parameters(), strict=True):
+            assert torch.equal(old, new)

@@ -84,26 +84,25 @@ class Piece:
 
 
 def plan_pieces(
-    numels: dict[int, int], splittable: set[int], frozen: set[int], num_replicas: int
+    numels: dict[int, int], splittable: set[int], num_replicas: int
 ) -> tuple[list[Piece], list[int]]:
     """The pieces of the parameters at the positions of ``numels`` (position -> numel) and the
     replica that owns each: the parameters, end to end in position order, cut into
     ``num_replicas`` ranges of nearly equal size, replica ``r`` owning range ``r``. A parameter
     inside one range stays whole; at most ``num_replicas - 1`` are cut. One not in
-    ``splittable`` (not contiguous) stays whole with the range it starts in; one in ``frozen``
-    (no gradient, so no state) too, and counts for nothing."""
-    total = sum(numel for position, numel in numels.items() if position not in frozen)
+    ``splittable`` (not contiguous) stays whole with the range it starts in."""
+    total = sum(numels.values())
     bounds = [math.ceil(total * (r + 1) / num_replicas) for r in range(num_replicas)]
     last = num_replicas - 1
     pieces: list[Piece] = []
     owners: list[int] = []
     replica = filled = 0
     for position, numel in sorted(numels.items()):
-        whole = position not in splittable or position in frozen or numel == 0
+        whole = position not in splittable or numel == 0
         if whole:
             pieces.append(Piece(position, 0, numel, True))
             owners.append(replica)
-            filled += 0 if position in frozen else numel
+            filled += numel
         start = numel if whole else 0
         while start < numel:
             room = bounds[replica] - filled
@@ -198,14 +197,16 @@ class ZeroRedundancy:
             for g, group_ in enumerate(optimizers[0].param_groups)
             for p in group_["params"]
         }
-        positions = [i for i, p in enumerate(first) if id(p) in index_of]
+        # Frozen parameters never change: they take no part (and must stay frozen).
+        positions = [i for i, p in enumerate(first) if id(p) in index_of and p.requires_grad]
+        frozen = [i for i, p in enumerate(first) if id(p) in index_of and not p.requires_grad]
+        self._frozen = [[replica[i] for i in frozen] for replica in self.params]
         self._index = {i: index_of[id(first[i])] for i in positions}
         self._positions = positions
         # The pieces and the global replica that owns each.
         self.pieces, self.owners = plan_pieces(
             {i: first[i].numel() for i in positions},
             {i for i in positions if first[i].is_contiguous()},
-            {i for i in positions if not first[i].requires_grad},
             sum(replicas_per_worker),
         )
         first_replica = sum(replicas_per_worker[:worker])
@@ -285,6 +286,7 @@ class ZeroRedundancy:
         replica of every worker and drop the other gradients (``everyone``: each local
         replica's gradients)."""
         r = replica.local_replica_id
+        self._check_frozen(r)
         mine = self.params[r]
         if self._num_workers == 1:
             sum_owned_gradients(mine, self._whole_ids[r], everyone)
@@ -313,6 +315,18 @@ class ZeroRedundancy:
         for position in self._positions:
             if position not in self._whole[r]:
                 mine[position].grad = None
+
+    def _check_frozen(self, r: int) -> None:
+        """A RuntimeError if a parameter frozen at ``strategy.mirror()`` has a gradient: it has
+        no owner, so it would never be updated."""
+        for param in self._frozen[r]:
+            if param.grad is not None:
+                raise RuntimeError(
+                    f"a parameter of shape {tuple(param.shape)} was frozen (requires_grad=False) "
+                    f"when the model was mirrored with zero_stage={self.stage} and has a gradient "
+                    "now; ZeRO shares out the trainable parameters at strategy.mirror(), so "
+                    "unfreeze before mirroring (or mirror the model again with a new optimizer)"
+                )
 
     def _reduce_scatter(self, everyone: Sequence[Sequence[torch.Tensor | None]]) -> None:
         """Sum the local replicas' gradients into the buffers, then every worker's into the
@@ -346,6 +360,7 @@ class ZeroRedundancy:
         """Update the parameters and pieces this replica owns, then give every replica all of
         them."""
         r = replica.local_replica_id
+        self._check_frozen(r)
         mine, owned = self.params[r], self._owned[r]
         result = step_owned(self.optimizers[r], self._whole_ids[r])
         self._step_pieces(r)
