@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mirrored
+from mirrored.rendezvous import ReplicaExchange
 from mirrored.sharded_update import state_bytes
 from mirrored.zero_redundancy import Piece, plan_pieces, plan_segments
 from tests.reference_loops import (
@@ -270,3 +271,60 @@ def test_a_parameter_unfrozen_after_mirroring_is_an_error_not_a_silent_constant(
         # Nothing was updated: the step stopped before any owner stepped.
         for old, new in zip(before, model.module.parameters(), strict=True):
             assert torch.equal(old, new)
+
+
+def test_a_run_failing_after_the_owners_updated_leaves_the_steps_parameters_and_state(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Replica 1 fails at the sync point after every owner's update (as a Ctrl-C or a peer's
+    # failure would release it there): the owners' values go with their advanced state, so
+    # the model ends where two full steps put it, on every replica.
+    batches = make_batches(num_examples=2 * 16, batch_size=16)
+    expected = make_mlp()
+    plain_optimizer = torch.optim.Adam(expected.parameters(), lr=1e-2)
+    train_plain(expected, plain_optimizer, batches)
+    exchange_all = ReplicaExchange.all
+    fail = {"on": False}
+
+    def failing(self: ReplicaExchange, label: str, value, cross_device: bool = False):
+        if fail["on"] and self.replica_id == 1 and label == "ZeRO: parameters updated":
+            raise RuntimeError("interrupted")
+        return exchange_all(self, label, value, cross_device)
+
+    monkeypatch.setattr(ReplicaExchange, "all", failing)
+    model = make_mlp()
+    with mirrored.MirroredStrategy(DEVICES[:2], zero_stage=1) as strategy:
+        mirrored_model, optimizer = strategy.mirror(
+            model, torch.optim.Adam(model.parameters(), lr=1e-2)
+        )
+        first, second = strategy.experimental_distribute_dataset(batches)
+        strategy.run(_replica_step, (first, mirrored_model, optimizer))
+        fail["on"] = True
+        with pytest.raises(RuntimeError, match="interrupted"):
+            strategy.run(_replica_step, (second, mirrored_model, optimizer))
+        assert_replicas_identical(mirrored_model)
+        assert_same_parameters(expected, mirrored_model.module)
+        assert_same_state(plain_optimizer.state_dict(), optimizer.state_dict())
+
+
+def test_a_frozen_layers_state_is_kept_and_a_schedule_reaches_every_owner() -> None:
+    batches = make_batches(num_examples=5 * 16, batch_size=16)
+    expected, model = make_mlp(), make_mlp()
+    optimizers = []
+    for module in (expected, model):
+        optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2)
+        train_plain(module, optimizer, batches[:1])  # every parameter has a state ...
+        module[0].requires_grad_(False)  # ... and the first layer's stays as it is
+        optimizers.append(optimizer)
+    schedule = torch.optim.lr_scheduler.StepLR(optimizers[0], step_size=1, gamma=0.5)
+    for batch in batches[1:]:
+        train_plain(expected, optimizers[0], [batch])
+        schedule.step()
+    with mirrored.MirroredStrategy(DEVICES[:3], zero_stage=2) as strategy:
+        mirrored_model, optimizer = strategy.mirror(model, optimizers[1])
+        schedule = torch.optim.lr_scheduler.StepLR(optimizer.optimizer, step_size=1, gamma=0.5)
+        for batch in strategy.experimental_distribute_dataset(batches[1:]):
+            strategy.run(_replica_step, (batch, mirrored_model, optimizer))
+            schedule.step()
+        assert_same_parameters(expected, mirrored_model.module)
+        assert_same_state(optimizers[0].state_dict(), optimizer.state_dict())

@@ -33,6 +33,7 @@ from mirrored.gradient_reducer import OverlappedGradientReducer
 from mirrored.sharded_update import (
     PER_PARAMETER_OPTIMIZERS,
     ShardedUpdate,
+    hyperparameters,
     load_own_copy,
     state_bytes,
 )
@@ -227,7 +228,9 @@ class MirroredModule:
 
 
 class MirroredOptimizer:
-    """One optimizer per replica; ``step()`` inside a replica all-reduces, then updates."""
+    """One optimizer per replica; ``step()`` inside a replica reduces the gradients, then
+    updates (with the strategy's ``zero_stage``, each replica updates only its share and the
+    shares are gathered: :mod:`mirrored.zero_redundancy`)."""
 
     def __init__(
         self,
@@ -309,7 +312,8 @@ class MirroredOptimizer:
         self.optimizers[replica.local_replica_id].zero_grad(set_to_none=True)
 
     def step(self, closure: Any = None) -> Any:
-        """All-reduce (sum) the gradients of every replica, then update every replica.
+        """Sum the gradients of every replica, then update every replica (with ``zero_stage``:
+        each its own share, then all of them are gathered).
 
         Call it inside ``strategy.run``, on every replica, once per step. With the strategy's
         ``gradient_accumulation_steps=k``, only every k-th call reduces and updates (with the
@@ -366,7 +370,7 @@ class MirroredOptimizer:
         while it changes them; the other replicas post None."""
         if replica_id:
             return None
-        return [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        return [hyperparameters(g) for g in self.param_groups]
 
     def _take_hyperparameters(self, replica_id: int, snapshot: Any) -> None:
         """Give replica ``replica_id``'s optimizer replica 0's ``snapshot``."""
@@ -486,8 +490,9 @@ class MirroredOptimizer:
                 self.optimizers[replica_id].zero_grad(set_to_none=set_to_none)
 
     def resync(self) -> None:
-        """Give every replica's optimizer replica 0's state (after a step that failed midway);
-        an unfinished accumulation window is dropped with its gradients."""
+        """Give every replica's optimizer replica 0's state (after a step that failed midway;
+        with ``zero_stage``, every replica each owner's values of what it owns instead); an
+        unfinished accumulation window is dropped with its gradients."""
         if self._window is not None:
             self._window.reset()
             for optimizer in self.optimizers:
@@ -495,7 +500,8 @@ class MirroredOptimizer:
         if self._local is not None:
             self._local.align()
         if self._zero is not None:
-            return  # each owner's state is the only one: nothing to copy
+            self._zero.resync()  # each owner's values go with its state
+            return
         if self._sharded is not None:
             self._sharded.share_state()
             return

@@ -27,6 +27,7 @@ __all__ = [
     "PER_PARAMETER_OPTIMIZERS",
     "ShardedUpdate",
     "assign_owners",
+    "hyperparameters",
     "load_own_copy",
     "state_bytes",
     "step_owned",
@@ -114,6 +115,11 @@ def step_owned(optimizer: torch.optim.Optimizer, owned: set[int]) -> Any:
             group["params"] = params
             if "foreach" in group:
                 group["foreach"] = foreach
+
+
+def hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer param group's settings: everything but its parameters."""
+    return {key: value for key, value in group.items() if key != "params"}
 
 
 def load_own_copy(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:

@@ -68,7 +68,7 @@ class Strategy:
     local_sgd: LocalSGD | None = None
     # Sharded optimizer state (1) and gradients (2) (:mod:`mirrored.zero_redundancy`); only the
     # mirrored strategies take another value than 0.
-    zero_stage = 0
+    zero_stage: int = 0
 
     def __init__(
         self,
@@ -83,7 +83,8 @@ class Strategy:
         self.devices: tuple[LogicalDevice, ...] = tuple(devices)
         self.cross_device_ops = cross_device_ops
         self.timeout_seconds = timeout_seconds
-        self._replicated: weakref.WeakSet[Replicated] = weakref.WeakSet()
+        # Insertion-ordered (a dict), so resyncs can run newest first.
+        self._replicated: weakref.WeakKeyDictionary[Replicated, None] = weakref.WeakKeyDictionary()
         self._windows: weakref.WeakSet[AccumulationWindow] = weakref.WeakSet()
         self._run_lock = threading.Lock()
         # Each local replica's context while a run is under way (None between runs): autograd
@@ -200,14 +201,16 @@ class Strategy:
     def track_replicated(self, replicated: Replicated) -> None:
         """Resync ``replicated`` from replica 0 whenever a run fails, so that a step that failed
         on some replicas after others had updated cannot leave them diverged."""
-        self._replicated.add(replicated)
+        self._replicated[replicated] = None
 
     def _resync_replicated(self, error: BaseException) -> None:
-        """After a failed run; a failure to resync is noted on ``error``, never replaces it."""
+        """After a failed run; a failure to resync is noted on ``error``, never replaces it.
+        Newest first: a mirrored optimizer before the module it was mirrored with, so that with
+        ``zero_stage`` each owner hands its values over before the module copies replica 0's."""
         if not self._usable():
             return
         try:
-            for replicated in list(self._replicated):
+            for replicated in reversed(list(self._replicated)):
                 replicated.resync()
         except Exception as resync_error:
             add_note(error, f"and resyncing the replicas afterwards failed: {resync_error!r}")

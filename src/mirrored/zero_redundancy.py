@@ -12,15 +12,16 @@ and hyperparameters, which the updates being elementwise makes exact.
 
 - Stage 1: gradients are reduced as without ZeRO (across workers while backward runs, so
   clipping or unscaling before ``optimizer.step()`` sees the sums). Each owner updates its
-  parameters; then every worker packs those its replicas own into its segment of one flat buffer
-  per dtype (:func:`plan_segments`) and an all-gather hands every worker all of them.
-- Stage 2: gradients are reduce-scattered at ``optimizer.step()`` instead, in the same layout:
-  each worker sums its replicas' gradients into the buffer, an all-to-all hands each worker its
-  own segment from every worker, summed in rank order; in one process each owner sums its
-  parameters' gradients over the replicas directly. Only owners keep a reduced gradient; the
-  others drop theirs at the step, so between steps each replica holds 1/N of the gradients too.
-  Communication is one all-reduce's worth (a reduce-scatter and an all-gather), but it starts at
-  the step rather than during backward.
+  ranges; in one process every replica then copies the others' ranges from their owners;
+  across workers each worker packs what its replicas own into its segment (one per dtype,
+  :func:`plan_segments`) and all-gathers the segments a range of at most ``_CHUNK_BYTES`` per
+  worker at a time, so no staging buffer grows with the model.
+- Stage 2: gradients are reduce-scattered at ``optimizer.step()`` instead, in the same layout
+  and ranges: each worker sums its replicas' gradients, an all-to-all hands each worker its
+  own segment's range from every worker, summed in rank order; in one process each owner sums
+  its ranges over the replicas directly. Only owners keep a reduced gradient. This does not
+  lower the peak (backward still produces whole gradients on every replica) and gives up the
+  overlap with backward; reduce-scattering buckets from backward's hooks is what would.
 
 The update is the one every replica would have made (the same gradient sum, the same state) for
 optimizers whose update of a parameter is elementwise in that parameter, its gradient and its
@@ -43,6 +44,7 @@ from torch import nn
 
 from mirrored.sharded_update import (
     PER_PARAMETER_OPTIMIZERS,
+    hyperparameters,
     load_own_copy,
     state_bytes,
     step_owned,
@@ -52,6 +54,10 @@ from mirrored.sharded_update import (
 if TYPE_CHECKING:
     from mirrored.context import ReplicaContext
     from mirrored.worker_group import WorkerGroup
+
+# What one gather or reduce-scatter across workers moves per worker at most: the staging
+# buffers are this times the worker count, not the parameters' size.
+_CHUNK_BYTES = 32 * 2**20
 
 __all__ = [
     "Piece",
@@ -201,6 +207,8 @@ class ZeroRedundancy:
         positions = [i for i, p in enumerate(first) if id(p) in index_of and p.requires_grad]
         frozen = [i for i, p in enumerate(first) if id(p) in index_of and not p.requires_grad]
         self._frozen = [[replica[i] for i in frozen] for replica in self.params]
+        # Their state (from before they were frozen) stays as it is, with the chief's replica 0.
+        self._frozen_indices = {index_of[id(first[i])] for i in frozen} if worker == 0 else set()
         self._index = {i: index_of[id(first[i])] for i in positions}
         self._positions = positions
         # The pieces and the global replica that owns each.
@@ -245,7 +253,7 @@ class ZeroRedundancy:
                 group_index = group_of[id(first[self.pieces[k].position])]
                 by_group.setdefault(group_index, []).append(piece)
             groups = [
-                {**_hyperparameters(optimizer.param_groups[g]), "params": ps}
+                {**hyperparameters(optimizer.param_groups[g]), "params": ps}
                 for g, ps in by_group.items()
             ]  # every hyperparameter given per group: the constructor's defaults go unused
             self._piece_optimizers.append((kind(groups), list(by_group)) if groups else None)
@@ -257,16 +265,38 @@ class ZeroRedundancy:
             self._num_workers,
         )
         self._device = first[0].device
-        self._buffers = [
-            torch.empty(self._num_workers * layout.segment, dtype=layout.dtype, device=self._device)
-            for layout in self._layouts
-        ]
-        # What this worker sends: its own segment (in one process, the whole buffer).
+        self._first_replica = first_replica
+        # Across workers: this worker's segment per dtype, and staging for the collectives,
+        # which move at most _CHUNK_BYTES per worker at a time. In one process replicas copy
+        # from the owners directly.
+        layouts = self._layouts if self._num_workers > 1 else []
         self._sends = [
-            buffer
-            if self._num_workers == 1
-            else torch.empty(layout.segment, dtype=layout.dtype, device=self._device)
-            for layout, buffer in zip(self._layouts, self._buffers, strict=True)
+            torch.empty(layout.segment, dtype=layout.dtype, device=self._device)
+            for layout in layouts
+        ]
+        self._chunks = [
+            min(
+                layout.segment,
+                max(1, _CHUNK_BYTES // (self._num_workers * layout.dtype.itemsize)),
+            )
+            for layout in layouts
+        ]
+        self._staging = [
+            torch.empty(self._num_workers * chunk, dtype=layout.dtype, device=self._device)
+            for layout, chunk in zip(layouts, self._chunks, strict=True)
+        ]
+        self._received = [torch.empty_like(s) for s in self._staging] if stage == 2 else []
+        # Per layout and worker: its slots (piece, offset in its segment).
+        self._worker_slots = [
+            [
+                [
+                    (k, offset - w * layout.segment)
+                    for k, offset in layout.slots
+                    if w * layout.segment <= offset < (w + 1) * layout.segment
+                ]
+                for w in range(self._num_workers)
+            ]
+            for layout in layouts
         ]
         self._has_grad: dict[int, bool] = {}
         if optimizers[0].state:  # a state the user's optimizer already had: shard it
@@ -293,7 +323,9 @@ class ZeroRedundancy:
             for k, piece_param in self._piece_params[r].items():
                 piece = self.pieces[k]
                 parts = [g for grads in everyone if (g := grads[piece.position]) is not None]
-                piece_param.grad = _sum_range(parts, piece, piece_param.device)
+                piece_param.grad = _sum_range(
+                    parts, piece.start, piece.start + piece.numel, piece_param.device
+                )
         else:
             if r == 0:
                 self._reduce_scatter(everyone)
@@ -338,65 +370,129 @@ class ZeroRedundancy:
         )
         self._group.all_reduce(has, "ZeRO: which parameters have gradients")
         self._has_grad = dict(zip(self._positions, (bool(c) for c in has.tolist()), strict=True))
-        for layout, buffer, send in zip(self._layouts, self._buffers, self._sends, strict=True):
-            for k, offset in layout.slots:
-                piece = self.pieces[k]
-                parts = [g for grads in everyone if (g := grads[piece.position]) is not None]
-                view = buffer[offset : offset + piece.numel]
-                total = _sum_range(parts, piece, self._device)
-                if total is None:
-                    view.zero_()
-                else:
-                    view.copy_(total)
-            received = torch.empty_like(buffer)
-            label = f"ZeRO: gradients ({_name(layout.dtype)})"
-            self._group.all_to_all_async(received, buffer, label).wait()
-            chunks = received.view(self._num_workers, layout.segment)
-            send.copy_(chunks[0])
-            for chunk in chunks[1:]:
-                send.add_(chunk)
+        for li, layout in enumerate(self._layouts):
+            send, staging, received = self._sends[li], self._staging[li], self._received[li]
+            for a, b in self._chunk_ranges(li):
+                n = b - a
+                outgoing = staging[: self._num_workers * n]
+                outgoing.zero_()
+                for w in range(self._num_workers):
+                    for k, lo, hi, at in self._parts(li, w, a, b):
+                        position = self.pieces[k].position
+                        parts = [g for grads in everyone if (g := grads[position]) is not None]
+                        total = _sum_range(parts, lo, hi, self._device)
+                        if total is not None:
+                            outgoing[w * n + at : w * n + at + hi - lo].copy_(total)
+                incoming = received[: self._num_workers * n]
+                label = f"ZeRO: gradients ({_name(layout.dtype)}, from {a})"
+                self._group.all_to_all_async(incoming, outgoing, label).wait()
+                chunks = incoming.view(self._num_workers, n)
+                send[a:b].copy_(chunks[0])
+                for chunk in chunks[1:]:
+                    send[a:b].add_(chunk)
+
+    def _chunk_ranges(self, li: int) -> list[tuple[int, int]]:
+        """The ranges of every worker's segment of layout ``li`` that one collective moves."""
+        segment, chunk = self._layouts[li].segment, self._chunks[li]
+        return [(a, min(a + chunk, segment)) for a in range(0, segment, chunk)]
+
+    def _parts(self, li: int, worker: int, a: int, b: int) -> list[tuple[int, int, int, int]]:
+        """The pieces in elements ``a`` to ``b`` of ``worker``'s segment of layout ``li``: (piece,
+        first and last + 1 element of its parameter, place in the range)."""
+        parts = []
+        for k, local in self._worker_slots[li][worker]:
+            lo, hi = max(a, local), min(b, local + self.pieces[k].numel)
+            if lo < hi:
+                start = self.pieces[k].start + lo - local
+                parts.append((k, start, start + hi - lo, lo - a))
+        return parts
 
     def step(self, replica: ReplicaContext) -> Any:
         """Update the parameters and pieces this replica owns, then give every replica all of
         them."""
         r = replica.local_replica_id
         self._check_frozen(r)
-        mine, owned = self.params[r], self._owned[r]
+        owned = self._owned[r]
         result = step_owned(self.optimizers[r], self._whole_ids[r])
         self._step_pieces(r)
         with torch.no_grad():
-            start = 0 if self._num_workers == 1 else self._worker
-            for layout, send in zip(self._layouts, self._sends, strict=True):
-                for k, offset in layout.slots:
+            if self._num_workers == 1:
+                replica.exchange.barrier("ZeRO: parameters updated", cross_device=True)
+                for k, owner in enumerate(self.owners):
+                    if k not in owned:
+                        self._copy_piece(owner - self._first_replica, r, k)
+                return result
+            for li, send in enumerate(self._sends):
+                for k, local in self._worker_slots[li][self._worker]:
                     if k in owned:
-                        local = offset - start * layout.segment
                         send[local : local + self.pieces[k].numel].copy_(self._flat(r, k))
             replica.exchange.barrier("ZeRO: updated parameters packed", cross_device=True)
-            if r == 0 and self._num_workers > 1:
-                assert self._group is not None
-                pending = [
-                    self._group.all_gather_into_async(
-                        buffer, send, f"ZeRO: parameters ({_name(layout.dtype)})"
-                    )
-                    for layout, buffer, send in zip(
-                        self._layouts, self._buffers, self._sends, strict=True
-                    )
-                ]
-                for collective in pending:
-                    collective.wait()
+            if r == 0:
+                self._gather_parameters()
             replica.exchange.barrier("ZeRO: parameters gathered", cross_device=True)
-            for layout, buffer in zip(self._layouts, self._buffers, strict=True):
-                for k, offset in layout.slots:
-                    if k in owned:
-                        continue
-                    piece = self.pieces[k]
-                    values = buffer[offset : offset + piece.numel]
-                    param = mine[piece.position]
-                    if piece.whole:
-                        param.copy_(values.view_as(param))
-                    else:
-                        param.view(-1)[piece.start : piece.start + piece.numel].copy_(values)
         return result
+
+    def _gather_parameters(self) -> None:
+        """Every worker's segments, a range at a time, into every local replica's parameters
+        (by local replica 0, while the others wait)."""
+        assert self._group is not None
+        for li, layout in enumerate(self._layouts):
+            send, staging = self._sends[li], self._staging[li]
+            for a, b in self._chunk_ranges(li):
+                n = b - a
+                gathered = staging[: self._num_workers * n]
+                label = f"ZeRO: parameters ({_name(layout.dtype)}, from {a})"
+                self._group.all_gather_into_async(gathered, send[a:b], label).wait()
+                for w in range(self._num_workers):
+                    for k, lo, hi, at in self._parts(li, w, a, b):
+                        values = gathered[w * n + at : w * n + at + hi - lo]
+                        for r, owned in enumerate(self._owned):
+                            if k not in owned:
+                                self._write_range(r, k, lo, hi, values)
+
+    def _write_range(self, r: int, k: int, lo: int, hi: int, values: torch.Tensor) -> None:
+        """Set elements ``lo`` to ``hi`` of piece ``k``'s parameter on replica ``r``."""
+        param = self.params[r][self.pieces[k].position]
+        if param.is_contiguous():
+            param.view(-1)[lo:hi].copy_(values)
+        else:  # a whole parameter (only contiguous ones are cut)
+            flat = param.reshape(-1).clone()
+            flat[lo:hi] = values
+            param.copy_(flat.view_as(param))
+
+    def _write_piece(self, r: int, k: int, values: torch.Tensor) -> None:
+        """Set piece ``k`` of replica ``r``'s parameter to ``values`` (flat or shaped)."""
+        piece = self.pieces[k]
+        param = self.params[r][piece.position]
+        if piece.whole:
+            param.copy_(values.view_as(param))
+        else:
+            param.view(-1)[piece.start : piece.start + piece.numel].copy_(values.view(-1))
+
+    def _copy_piece(self, source: int, r: int, k: int) -> None:
+        """Piece ``k`` from local replica ``source`` (its owner) into local replica ``r``."""
+        piece = self.pieces[k]
+        if piece.whole:
+            self._write_piece(r, k, self.params[source][piece.position])
+        else:
+            self._write_piece(r, k, self._flat(source, k))
+
+    def resync(self) -> None:
+        """After a run that failed midway: give every local replica each owner's values of the
+        ranges it owns (which go with the owner's optimizer state, whether or not its update
+        ran), and leave no piece a gradient. Ranges owned by other workers are not reachable
+        here; a failed worker group is restarted from a checkpoint anyway."""
+        local = range(len(self.params))
+        with torch.no_grad():
+            for k, owner in enumerate(self.owners):
+                source = owner - self._first_replica
+                if source in local:
+                    for r in local:
+                        if r != source:
+                            self._copy_piece(source, r, k)
+        for pieces in self._piece_params:
+            for piece_param in pieces.values():
+                piece_param.grad = None
 
     def _step_pieces(self, r: int) -> None:
         """Step replica ``r``'s pieces with the hyperparameters its optimizer has now (at stage
@@ -406,7 +502,7 @@ class ZeroRedundancy:
             return
         optimizer, groups = entry
         for piece_group, g in zip(optimizer.param_groups, groups, strict=True):
-            piece_group.update(_hyperparameters(self.optimizers[r].param_groups[g]))
+            piece_group.update(hyperparameters(self.optimizers[r].param_groups[g]))
         pieces = self._piece_params[r]
         if self.stage == 1:
             for k, piece_param in pieces.items():
@@ -465,7 +561,8 @@ class ZeroRedundancy:
         for slot in sorted(mine):
             for key, value in sorted(mine[slot].items()):
                 if isinstance(value, torch.Tensor):
-                    description = {"tensor": [list(value.shape), _name(value.dtype)]}
+                    where = "cpu" if value.device.type == "cpu" else "device"
+                    description = {"tensor": [list(value.shape), _name(value.dtype), where]}
                 else:
                     description = {"value": value}
                 entries.append([slot, key, description])
@@ -498,48 +595,63 @@ class ZeroRedundancy:
                 if "value" in description:
                     state[key] = description["value"]
                     continue
-                shape, name = description["tensor"]
+                shape, name, where = description["tensor"]
                 numel = math.prod(shape)
                 if worker == self._worker:
                     state[key] = mine[slot][key]
-                else:
+                else:  # where its owner keeps it (torch keeps Adam's step count on the CPU)
                     part = flats[name][worker][offsets[name] : offsets[name] + numel]
-                    state[key] = part.view(shape).clone()
+                    device = torch.device("cpu") if where == "cpu" else self._device
+                    state[key] = part.view(shape).to(device, copy=True)
                 offsets[name] += numel
         return gathered
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Give each local replica's optimizer the hyperparameters and its owned share of
         ``state_dict``'s state (a plain single-optimizer state dict), its pieces' ranges
-        included."""
+        included; torch's loading puts each tensor where the optimizer keeps it."""
         states = state_dict["state"]
         for r, optimizer in enumerate(self.optimizers):
             owned = {self._index[i] for i in self._whole[r]}
+            if r == 0:
+                owned |= self._frozen_indices
             share = {k: v for k, v in states.items() if int(k) in owned}
             load_own_copy(optimizer, {**state_dict, "state": share})
-            entry = self._piece_optimizers[r]
-            if entry is None:
-                continue
-            for k, piece_param in self._piece_params[r].items():
-                piece = self.pieces[k]
-                whole = states.get(self._index[piece.position])
-                if whole is None:
-                    entry[0].state.pop(piece_param, None)
-                else:
-                    entry[0].state[piece_param] = _sliced(whole, piece, piece_param)
+            self._load_pieces(r, state_dict)
 
-
-def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
-    return {key: value for key, value in group.items() if key != "params"}
+    def _load_pieces(self, r: int, state_dict: dict[str, Any]) -> None:
+        """Replica ``r``'s pieces' ranges of ``state_dict``, loaded into its piece optimizer
+        as torch's own state dict (so torch places and casts each tensor)."""
+        entry = self._piece_optimizers[r]
+        if entry is None:
+            return
+        piece_optimizer, groups = entry
+        piece_of = {id(q): k for k, q in self._piece_params[r].items()}
+        piece_state: dict[int, dict[str, Any]] = {}
+        piece_groups = []
+        j = 0
+        for piece_group, g in zip(piece_optimizer.param_groups, groups, strict=True):
+            indices = []
+            for piece_param in piece_group["params"]:
+                piece = self.pieces[piece_of[id(piece_param)]]
+                whole = state_dict["state"].get(self._index[piece.position])
+                if whole is not None:
+                    piece_state[j] = _sliced(whole, piece)
+                indices.append(j)
+                j += 1
+            settings = hyperparameters(state_dict["param_groups"][g])
+            piece_groups.append({**settings, "params": indices})
+        piece_optimizer.load_state_dict({"state": piece_state, "param_groups": piece_groups})
 
 
 def _sum_range(
-    parts: Sequence[torch.Tensor], piece: Piece, device: torch.device
+    parts: Sequence[torch.Tensor], lo: int, hi: int, device: torch.device
 ) -> torch.Tensor | None:
-    """The sum, in order, of ``piece``'s range of each gradient in ``parts`` (None if none)."""
+    """The sum, in order, of elements ``lo`` to ``hi`` of each flattened gradient in ``parts``
+    (None if there are none)."""
     if not parts:
         return None
-    ranges = [p.reshape(-1)[piece.start : piece.start + piece.numel] for p in parts]
+    ranges = [p.reshape(-1)[lo:hi] for p in parts]
     total = ranges[0].to(device, copy=True)
     for part in ranges[1:]:
         total.add_(part.to(device, non_blocking=True))
@@ -559,20 +671,15 @@ def _joined(parts: Sequence[dict[str, Any]], param: nn.Parameter) -> dict[str, A
     return joined
 
 
-def _sliced(state: dict[str, Any], piece: Piece, piece_param: nn.Parameter) -> dict[str, Any]:
-    """A piece's share of a whole parameter's ``state``: its range of each per-element tensor
-    (on the piece's device, in its dtype unless it is the step count, as torch loads them)."""
-    sliced: dict[str, Any] = {}
-    for key, value in state.items():
-        if isinstance(value, torch.Tensor) and value.dim() > 0:
-            part = value.reshape(-1)[piece.start : piece.start + piece.numel]
-            dtype = piece_param.dtype if value.is_floating_point() else value.dtype
-            sliced[key] = part.to(device=piece_param.device, dtype=dtype, copy=True)
-        elif isinstance(value, torch.Tensor):
-            sliced[key] = value.clone()
-        else:
-            sliced[key] = copy.deepcopy(value)
-    return sliced
+def _sliced(state: dict[str, Any], piece: Piece) -> dict[str, Any]:
+    """A piece's share of a whole parameter's ``state``: its range of each per-element tensor;
+    the rest (the step count) as it is."""
+    return {
+        key: value.reshape(-1)[piece.start : piece.start + piece.numel].clone()
+        if isinstance(value, torch.Tensor) and value.dim() > 0
+        else copy.deepcopy(value)
+        for key, value in state.items()
+    }
 
 
 def _name(dtype: torch.dtype) -> str:

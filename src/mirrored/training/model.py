@@ -653,7 +653,9 @@ class Model:
 
     # -- saving ------------------------------------------------------------------------------------
     def training_state(self) -> dict[str, Any]:
-        """Model, optimizer, schedule, step count and loss scale, as plain data."""
+        """Model, optimizer, schedule, step count and loss scale, as plain data. With a
+        sharded optimizer state (``zero_stage``) across workers this gathers it: a collective,
+        so call it on every worker at the same point (``save`` and ``BackupAndRestore`` do)."""
         steps = self._compiled()
         return {
             "model": self.module.state_dict(),
