@@ -68,3 +68,25 @@ def test_nccl_across_physical_gpus_matches_one_gpu():
         model = make_mlp()
         trained, _, _ = train_mirrored(strategy, model, OPTIMIZERS["adam"](model), batches)
     assert_same_parameters(reference, trained)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_on_logical_gpus_matches_one_gpu_with_1_over_n_of_the_state(fresh_config, stage):
+    # Adam keeps its step counts on the CPU and its moments on the GPU: both are sharded, and
+    # the joined state has them where torch puts them.
+    devices = _split_first_gpu(3)
+    batches = [(x.cuda(), y.cuda()) for x, y in make_batches()]
+    reference = make_mlp().cuda()
+    plain = OPTIMIZERS["adam"](reference)
+    train_plain(reference, plain, batches)
+    with mirrored.MirroredStrategy(devices, zero_stage=stage) as strategy:
+        model = make_mlp()
+        trained, optimizer, _ = train_mirrored(strategy, model, OPTIMIZERS["adam"](model), batches)
+        state = optimizer.state_dict()["state"]
+        assert max(optimizer.state_bytes()) <= sum(optimizer.state_bytes()) / 3 * 1.05
+    assert_same_parameters(reference, trained)
+    assert_replicas_identical(trained)
+    for index, expected in plain.state_dict()["state"].items():
+        for key, value in expected.items():
+            assert state[index][key].device == value.device, (index, key)
+            torch.testing.assert_close(state[index][key], value, rtol=1e-5, atol=1e-6)
