@@ -8,6 +8,7 @@ started, and does so whatever happens.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import signal
@@ -39,6 +40,27 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+@functools.cache
+def cluster_ports(first: int, count: int) -> tuple[int, ...]:
+    """``count`` distinct ports starting with ``first`` (the chief's or master's), the same for
+    every rank of one cluster: each TF_CONFIG must list the same addresses, none twice. The
+    probes stay bound until all are chosen, so the kernel cannot hand out one port twice."""
+    probes = []
+    try:
+        ports = [first]
+        while len(ports) < count:
+            probe = socket.socket()
+            probes.append(probe)
+            probe.bind(("127.0.0.1", 0))
+            port = int(probe.getsockname()[1])
+            if port not in ports:
+                ports.append(port)
+        return tuple(ports)
+    finally:
+        for probe in probes:
+            probe.close()
+
+
 def worker_env(
     rank: int,
     num_workers: int,
@@ -64,12 +86,12 @@ def worker_env(
         tasks += [("ps", i) for i in range(num_ps)]
         assert len(tasks) == num_workers, f"{cluster} needs {len(tasks)} processes"
         spec: dict[str, list[str]] = {}
-        for index, (job, _) in enumerate(tasks):
-            spec.setdefault(job, []).append(f"127.0.0.1:{port if index == 0 else free_port()}")
+        for (job, _), task_port in zip(tasks, cluster_ports(port, len(tasks)), strict=True):
+            spec.setdefault(job, []).append(f"127.0.0.1:{task_port}")
         job, task = tasks[rank]
         env["TF_CONFIG"] = json.dumps({"cluster": spec, "task": {"type": job, "index": task}})
     else:
-        addresses = [f"127.0.0.1:{port if i == 0 else free_port()}" for i in range(num_workers)]
+        addresses = [f"127.0.0.1:{p}" for p in cluster_ports(port, num_workers)]
         env["TF_CONFIG"] = json.dumps(
             {"cluster": {"worker": addresses}, "task": {"type": "worker", "index": rank}}
         )
