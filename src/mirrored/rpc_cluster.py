@@ -1,6 +1,6 @@
 """The processes of a parameter-server job as one ``torch.distributed.rpc`` group.
 
-``torch.distributed.rpc`` leaves four things to the user that this module settles once:
+``torch.distributed.rpc`` leaves five things to the user that this module settles once:
 
 - **Where it listens.** Its rendezvous store would bind every interface and TensorPipe the address
   the host name resolves to; here the store listens only on the chief's address, and TensorPipe
@@ -15,6 +15,9 @@
   worker joins again as a new member (``worker1_2``, its second incarnation, under a rank of its
   own), once the chief has admitted it and removed the lost incarnation from the group's record
   (``Admissions``).
+- **Its transport.** Between tasks of one host TensorPipe defaults to shared memory, whose
+  reactor busy-polls a core in every process; with 5 tasks on 2 cores the jobs ran 3x slower and
+  timed out under load. Every pair talks TCP here (TensorPipe's ``_transports`` option).
 
 Security: like every ``torch.distributed`` primitive, RPC is unauthenticated and unpickles what
 its peers send (a peer can run any code here). Keep every task of the job on a private network:
@@ -133,7 +136,10 @@ def _init_rpc(member: Member, host: str, port: int, timeout_seconds: float) -> N
         dist.register_rendezvous_handler(_SCHEME, _rendezvous)
         _handler_registered = True
     _stores[key] = dist.TCPStore(host, port, None, False, timeout=timeout)
-    backend = rpc.TensorPipeRpcBackendOptions(init_method=url, rpc_timeout=timeout_seconds)
+    # TCP only (the module's docstring says why); TensorPipe marks the option private.
+    backend = rpc.TensorPipeRpcBackendOptions(
+        init_method=url, rpc_timeout=timeout_seconds, _transports=["uv"]
+    )
     try:
         loopback = sockets_on_loopback(host, ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME"))
         with loopback, warnings.catch_warnings():
