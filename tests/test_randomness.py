@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import mirrored
+from mirrored.randomness import _cpu_attention, _cpu_dropout, _global_rng_lock
 from tests.reference_loops import make_batches
 
 
@@ -55,7 +58,28 @@ RANDOM_OPS = {
     "sdpa_dropout": lambda: F.scaled_dot_product_attention(
         torch.ones(1, 4, 4), torch.ones(1, 4, 4), torch.ones(1, 4, 4), dropout_p=0.5
     ),
+    "sdpa_dropout_causal": lambda: F.scaled_dot_product_attention(
+        torch.ones(1, 4, 4), torch.ones(1, 4, 4), torch.ones(1, 4, 4), None, 0.5, is_causal=True
+    ),
+    "sdpa_dropout_half": lambda: F.scaled_dot_product_attention(  # swapped in, under the lock
+        *[torch.ones(1, 4, 4, dtype=torch.bfloat16)] * 3, dropout_p=0.5
+    ).float(),
+    # torch's Python functions around random ops: the ops inside reach the replica's stream.
+    "dropout2d": lambda: F.dropout2d(torch.ones(2, 64, 1, 1), 0.5, True),
+    "alpha_dropout": lambda: F.alpha_dropout(torch.ones(64), 0.5, True),
+    "rrelu": lambda: F.rrelu(-torch.ones(64), training=True),
+    "gumbel_softmax": lambda: F.gumbel_softmax(torch.zeros(64)),
+    "fractional_max_pool": lambda: F.fractional_max_pool2d(IMAGE, 2, output_size=9),
+    "fractional_max_pool_indices": lambda: F.fractional_max_pool2d(
+        IMAGE, 2, output_size=9, return_indices=True
+    )[1].float(),
+    "attention_module": lambda: ATTENTION(*[torch.ones(1, 4, 8)] * 3, need_weights=False)[0],
+    "attention_module_weights": lambda: ATTENTION(*[torch.ones(1, 4, 8)] * 3)[1],
+    "init_normal": lambda: nn.init.normal_(torch.empty(8)),
+    "init_kaiming": lambda: nn.init.kaiming_uniform_(torch.empty(4, 4)),
 }
+ATTENTION = nn.MultiheadAttention(8, 2, dropout=0.5, batch_first=True)
+IMAGE = torch.randn(1, 1, 16, 16, generator=torch.Generator().manual_seed(0))
 
 
 @pytest.mark.parametrize("name", sorted(RANDOM_OPS))
@@ -115,3 +139,90 @@ def test_one_replica_draws_exactly_what_the_plain_loop_draws():
     with mirrored.MirroredStrategy(["cpu:0"]) as strategy:
         torch.manual_seed(5)
         assert torch.equal(strategy.run(lambda: F.dropout(torch.ones(32), 0.5, True)), expected)
+
+
+def _seeded(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_cpu_dropout_keeps_1_minus_p_of_the_elements_and_their_mean(p):
+    x = torch.full((1_000_000,), 3.0)
+    y = _cpu_dropout(x, p, False, False, _seeded(2))
+    kept = y != 0
+    assert abs(kept.double().mean().item() - (1 - p)) < 5 * (p * (1 - p) / x.numel()) ** 0.5
+    assert torch.allclose(y[kept], torch.tensor(3 / (1 - p)), rtol=1e-6, atol=0)
+    assert torch.equal(y, _cpu_dropout(x, p, False, False, _seeded(2)))  # the stream decides
+    assert not torch.equal(y, _cpu_dropout(x, p, False, False, _seeded(3)))
+
+
+def test_cpu_feature_dropout_drops_whole_channels_and_in_place_writes_the_input():
+    x = torch.ones(64, 50, 3, 3)
+    y = _cpu_dropout(x, 0.5, True, True, _seeded(0))
+    assert y is x
+    per_channel = y.flatten(2)
+    assert torch.equal(per_channel.amin(2), per_channel.amax(2))  # kept or dropped whole
+    assert 0.4 < (per_channel[..., 0] != 0).float().mean().item() < 0.6
+
+
+def test_cpu_dropout_s_gradient_is_its_mask():
+    x = torch.randn(1000, dtype=torch.float64, requires_grad=True)
+    y = _cpu_dropout(x, 0.25, False, False, _seeded(5))
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, (y / x).detach())
+
+
+ATTENTION_CASES = {
+    "plain": {},
+    "bool mask": {"attn_mask": torch.rand(5, 6) > 0.3},
+    "float mask": {"attn_mask": torch.randn(2, 3, 5, 6)},
+    "a row masked out": {"attn_mask": torch.arange(6).expand(5, 6) < torch.arange(5)[:, None]},
+    "causal": {"is_causal": True},
+    "scale": {"scale": 0.3},
+    "grouped query": {"enable_gqa": True, "kv_heads": 1},
+}
+
+
+@pytest.mark.parametrize("case", sorted(ATTENTION_CASES))
+def test_cpu_attention_is_the_math_path_with_the_replica_s_dropout_mask(case):
+    options = dict(ATTENTION_CASES[case])
+    kv_heads = options.pop("kv_heads", 3)
+    generator = _seeded(4)
+    q = torch.randn(2, 3, 5, 8, generator=generator, dtype=torch.float64)
+    k, v = (torch.randn(2, kv_heads, 6, 8, generator=generator, dtype=torch.float64) for _ in "kv")
+    mask = options.pop("attn_mask", None)
+    args = (mask, 0.4, options.get("is_causal", False), options.get("scale"))
+    got = _cpu_attention(q, k, v, *args, options.get("enable_gqa", False), _seeded(1))
+    # The same mask drawn by hand on the weights torch computes without dropout (values = I).
+    eye = torch.eye(6, dtype=torch.float64).expand(2, kv_heads, 6, 6)
+    weights = F.scaled_dot_product_attention(q, k, eye, mask, **options)
+    if options.get("enable_gqa"):
+        v = v.repeat_interleave(3, -3)
+    torch.testing.assert_close(got, _cpu_dropout(weights, 0.4, False, False, _seeded(1)) @ v)
+
+
+def test_dropout_and_attention_take_no_process_wide_lock():
+    """Replica 1 runs dropout and a training attention while replica 0 holds the lock the
+    remaining swapped ops use: they do not wait for it."""
+    attention = nn.MultiheadAttention(8, 2, dropout=0.5, batch_first=True)
+    seeded, held, done = threading.Event(), threading.Event(), threading.Event()
+    x = torch.ones(2, 4, 8)
+
+    def step():
+        if mirrored.get_replica_context().replica_id_in_sync_group == 0:
+            assert seeded.wait(10)
+            with _global_rng_lock:
+                held.set()
+                return "waited", done.wait(10)
+        torch.rand(1)  # the step's seed is drawn under the lock: draw it before
+        seeded.set()
+        assert held.wait(10)
+        F.dropout(x, 0.5, True)
+        F.scaled_dot_product_attention(x, x, x, dropout_p=0.5)
+        attention(x, x, x, need_weights=False)
+        done.set()
+        return "drew", True
+
+    with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
+        results = strategy.experimental_local_results(strategy.run(step))
+    assert results == (("waited", True), ("drew", True))
