@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import mirrored
+from mirrored import randomness
 from mirrored.randomness import _cpu_attention, _cpu_dropout, _global_rng_lock
 from tests.reference_loops import make_batches
 
@@ -77,6 +79,32 @@ RANDOM_OPS = {
     "attention_module_weights": lambda: ATTENTION(*[torch.ones(1, 4, 8)] * 3)[1],
     "init_normal": lambda: nn.init.normal_(torch.empty(8)),
     "init_kaiming": lambda: nn.init.kaiming_uniform_(torch.empty(4, 4)),
+    # Arguments in every form torch takes them.
+    "dropout_numpy_p": lambda: F.dropout(torch.ones(64), np.float32(0.5), True),
+    "dropout_tensor_p": lambda: torch.dropout(torch.ones(64), torch.tensor(0.5), True),
+    "rrelu_in_place": lambda: F.rrelu_(-torch.ones(64), training=True),
+    "native_dropout_train_none": lambda: torch.native_dropout(torch.ones(64), 0.5, None)[0],
+    "poisson_none_generator": lambda: torch.poisson(torch.full((8,), 3.0), None),
+    "init_none_generator": lambda: nn.init.uniform_(torch.empty(8), 0.0, 1.0, None),
+    # Tensors our CPU mask leaves to torch's kernels, and dropout drawn inside C++.
+    "nested_dropout": lambda: F.dropout(
+        torch.nested.nested_tensor([torch.ones(3, 4), torch.ones(5, 4)], layout=torch.jagged),
+        0.5,
+        True,
+    ).values(),
+    "vmap_dropout": lambda: torch.func.vmap(
+        lambda t: F.dropout(t, 0.5, True), randomness="different"
+    )(torch.ones(3, 64)),
+    "lstm_dropout": lambda: RECURRENT["lstm"](torch.ones(5, 1, 8))[0],
+    "gru_dropout": lambda: RECURRENT["gru"](torch.ones(5, 1, 8))[0],
+    "lstm_dropout_packed": lambda: (
+        RECURRENT["lstm"](nn.utils.rnn.pack_sequence([torch.ones(5, 8), torch.ones(3, 8)]))[0].data
+    ),
+}
+RECURRENT = {
+    "lstm": nn.LSTM(8, 8, num_layers=2, dropout=0.5),
+    "gru": nn.GRU(8, 8, num_layers=2, dropout=0.5),
+    "one_layer_lstm": nn.LSTM(8, 8),
 }
 ATTENTION = nn.MultiheadAttention(8, 2, dropout=0.5, batch_first=True)
 IMAGE = torch.randn(1, 1, 16, 16, generator=torch.Generator().manual_seed(0))
@@ -107,6 +135,70 @@ def test_eval_mode_dropout_and_plain_ops_are_not_random():
             strategy.run(lambda: F.dropout(torch.ones(8), p=0.5, training=False))
         )
         assert all(torch.equal(o, torch.ones(8)) for o in outputs)
+
+
+NOT_RANDOM = {
+    "dropout_eval": lambda: F.dropout(torch.ones(8), 0.5, training=False),
+    "rrelu_eval": lambda: nn.RReLU().eval()(-torch.ones(8)),
+    "lstm_eval": lambda: RECURRENT["lstm"].eval()(torch.ones(5, 1, 8))[0],
+    "one_layer_lstm": lambda: RECURRENT["one_layer_lstm"](torch.ones(5, 1, 8))[0],
+    "dropout_on_meta": lambda: F.dropout(torch.ones(8, device="meta"), 0.5, True).shape,
+    "attention_without_dropout": lambda: F.scaled_dot_product_attention(*[torch.ones(1, 4, 4)] * 3),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NOT_RANDOM))
+def test_ops_that_draw_nothing_leave_the_caller_s_stream_alone(name):
+    torch.manual_seed(3)
+    expected = torch.rand(4)
+    with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
+        torch.manual_seed(3)
+        strategy.run(NOT_RANDOM[name])
+        assert torch.equal(torch.rand(4), expected)
+    RECURRENT["lstm"].train()
+
+
+def test_every_device_of_a_replica_draws_a_stream_of_its_own():
+    with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
+        same = strategy.run(lambda: torch.equal(torch.rand(8), torch.rand(8, device="cpu:0")))
+    assert same is False  # "cpu:0" is the CPU's one generator, not a second with the seed
+
+
+def test_arguments_torch_refuses_raise_torch_s_error_in_a_replica():
+    sparse = torch.ones(4, 4).to_sparse()
+    with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
+        with pytest.raises(NotImplementedError, match="SparseCPU"):
+            strategy.run(lambda: F.dropout(sparse, 0.5, True))
+        with pytest.raises(RuntimeError, match="Expected attn_mask dtype"):
+            strategy.run(
+                lambda: F.scaled_dot_product_attention(
+                    *[torch.ones(1, 4, 4)] * 3, torch.ones(4, 4, dtype=torch.long), 0.5
+                )
+            )
+
+
+def _checks_by_attribute(x):
+    """A torch-style function whose override check _body cannot turn off (nn.init's kind)."""
+    if torch.overrides.has_torch_function_unary(x):
+        return torch.overrides.handle_torch_function(_checks_by_attribute, (x,), x)
+    return torch.dropout(x, 0.5, True)
+
+
+def test_a_function_whose_body_dispatches_anyway_runs_whole_on_the_replica_s_stream(
+    monkeypatch,
+):
+    monkeypatch.setitem(randomness._ROUTES, _checks_by_attribute, "_around")
+    with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
+        torch.manual_seed(4)
+        first = strategy.experimental_local_results(
+            strategy.run(lambda: _checks_by_attribute(torch.ones(64)))
+        )
+        torch.manual_seed(4)
+        again = strategy.experimental_local_results(
+            strategy.run(lambda: _checks_by_attribute(torch.ones(64)))
+        )
+    assert not torch.equal(first[0], first[1])
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
 
 
 def _train_with_dropout(seed):
@@ -226,3 +318,18 @@ def test_dropout_and_attention_take_no_process_wide_lock():
     with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
         results = strategy.experimental_local_results(strategy.run(step))
     assert results == (("waited", True), ("drew", True))
+
+
+@pytest.mark.parametrize(
+    "draw",
+    [
+        lambda g: torch.rand(8, generator=g),
+        lambda g: torch.poisson(torch.full((8,), 3.0), g),  # generator passed by position
+        lambda g: nn.init.uniform_(torch.empty(8), 0.0, 1.0, g),
+    ],
+)
+def test_a_generator_of_the_caller_s_own_is_used_as_given(draw):
+    expected = draw(_seeded(21))
+    with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
+        drawn = strategy.experimental_local_results(strategy.run(lambda: draw(_seeded(21))))
+    assert all(torch.equal(d, expected) for d in drawn)

@@ -17,9 +17,10 @@ A thread-local ``TorchFunctionMode`` on each replica's thread routes random ops 
 - torch's Python functions around random ops (``F.dropout2d``, ``F.gumbel_softmax``,
   ``F.multi_head_attention_forward``...) run with the mode active inside, so that the ops in them
   are routed the same way (a mode is otherwise off while a function it intercepted runs);
-- the rest (alpha dropout, CUDA's fused dropout and attention kernels) swaps the replica's state
-  into the device's global generator under a process-wide lock; on a GPU the lock spans kernel
-  launches, not kernels.
+- the rest (alpha dropout, recurrent layers' dropout, CUDA's fused dropout and attention
+  kernels, and any tensor our CPU mask does not take: nested, sparse, subclasses, ``vmap``-ped)
+  swaps the replica's state into the device's global generator under a process-wide lock; on a
+  GPU the lock spans kernel launches, not kernels.
 
 Every random op used to run under that lock: a training transformer's whole attention forward
 did, and two CPU replicas of BERT-tiny waited 33-37 ms of a 130 ms forward for each other
@@ -30,8 +31,10 @@ from __future__ import annotations
 
 import inspect
 import math
+import numbers
 import threading
 from collections.abc import Callable
+from contextlib import nullcontext
 from types import FunctionType
 from typing import Any
 
@@ -44,11 +47,11 @@ __all__ = ["ReplicaRandomness", "StepSeed"]
 
 _global_rng_lock = threading.Lock()
 
-Args = tuple[Any, ...]
-Kwargs = dict[str, Any]
+_Args = tuple[Any, ...]
+_Kwargs = dict[str, Any]
 
 
-def _arg(args: Args, kwargs: Kwargs, index: int, name: str, default: Any) -> Any:
+def _arg(args: _Args, kwargs: _Kwargs, index: int, name: str, default: Any) -> Any:
     if name in kwargs:
         return kwargs[name]
     return args[index] if len(args) > index else default
@@ -83,8 +86,6 @@ _SAMPLERS: list[Callable[..., Any]] = [
     torch.binomial,
     torch._standard_gamma,  # Gamma, Beta, Chi2 sampling
     torch._sample_dirichlet,
-    torch.rrelu,
-    torch.rrelu_,
     torch.Tensor.uniform_,
     torch.Tensor.normal_,
     torch.Tensor.bernoulli_,
@@ -138,6 +139,7 @@ _AROUND_RANDOM_OPS: list[Callable[..., Any]] = [
     F.fractional_max_pool3d_with_indices,
     F.multi_head_attention_forward,
 ]
+_RECURRENT: list[Callable[..., Any]] = [torch.lstm, torch.gru, torch.rnn_tanh, torch.rnn_relu]
 # Which ReplicaRandomness method handles each random op (one lookup per op); samplers without a
 # generator= argument in this torch swap the replica's state in.
 _ROUTES: dict[Callable[..., Any], str] = {
@@ -148,8 +150,11 @@ _ROUTES: dict[Callable[..., Any], str] = {
         for f in _INITIALIZERS
         if "generator" in inspect.signature(f).parameters
     },
+    torch.rrelu: "_rrelu",
+    torch.rrelu_: "_rrelu",
     **dict.fromkeys(_DROPOUTS, "_dropout"),
     **dict.fromkeys(_OTHER_DROPOUTS, "_other_dropout"),
+    **dict.fromkeys(_RECURRENT, "_recurrent"),
     F.scaled_dot_product_attention: "_attention",
     **dict.fromkeys(_AROUND_RANDOM_OPS, "_around"),
 }
@@ -178,7 +183,7 @@ def _body(func: Callable[..., Any]) -> Callable[..., Any] | None:
     return _bodies[func]
 
 
-def _device_of(args: Args, kwargs: Kwargs) -> torch.device:
+def _device_of(args: _Args, kwargs: _Kwargs) -> torch.device:
     """Where a random op draws: its ``device=``, else its first tensor's, else the default."""
     device = kwargs.get("device")
     if device is None:
@@ -188,9 +193,55 @@ def _device_of(args: Args, kwargs: Kwargs) -> torch.device:
         )
         device = tensor.device if tensor is not None else torch.get_default_device()
     device = torch.device(device)
+    if device.type == "cpu":
+        return torch.device("cpu")  # "cpu:0" is the same generator's
     if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+def _real(value: Any) -> float | None:
+    """A real number given as a Python or numpy number or a 0-dim tensor (torch accepts each
+    for ``p``), as a float; None for anything else."""
+    if isinstance(value, numbers.Real) or (isinstance(value, torch.Tensor) and value.dim() == 0):
+        return float(value)
+    return None
+
+
+_outside_functorch = getattr(torch._C, "_DisableFuncTorch", nullcontext)
+_functorch = getattr(torch._C, "_functorch", None)
+_is_functorch_wrapped = getattr(_functorch, "is_functorch_wrapped_tensor", lambda t: False)
+
+
+def _is_plain(tensor: Any) -> bool:
+    """A dense tensor of torch's own type: not nested, sparse, a subclass, or a tensor that
+    ``vmap`` or ``grad`` wrapped (their random ops follow rules of their own: torch's kernels)."""
+    return (
+        type(tensor) in (torch.Tensor, torch.nn.Parameter)
+        and tensor.layout == torch.strided
+        and not tensor.is_nested
+        and not _is_functorch_wrapped(tensor)
+    )
+
+
+def _math_attention_fits(
+    query: Any, key: Any, value: Any, attn_mask: Any, is_causal: bool, gqa: bool
+) -> bool:
+    """Whether ``_cpu_attention`` computes what torch's CPU attention would for these
+    arguments; for any other (other devices or dtypes, or arguments torch refuses) torch's own
+    kernel runs, and raises its own errors."""
+    tensors = (query, key, value)
+    if not all(_is_plain(t) and t.device.type == "cpu" and t.dim() >= 2 for t in tensors):
+        return False
+    if query.dtype not in (torch.float32, torch.float64) or {t.dtype for t in tensors} != {
+        query.dtype
+    }:
+        return False
+    if attn_mask is not None and (
+        is_causal or not _is_plain(attn_mask) or attn_mask.dtype not in (torch.bool, query.dtype)
+    ):
+        return False
+    return not gqa or (key.dim() >= 3 and query.size(-3) % key.size(-3) == 0)
 
 
 def _cpu_dropout(
@@ -203,7 +254,7 @@ def _cpu_dropout(
     ``bernoulli_`` mask (serial mt19937 either way; 2M elements, one thread: 10.9 ms vs 23.2)."""
     shape = (input.size(0), input.size(1)) + (1,) * (input.dim() - 2) if feature else input.shape
     numel = math.prod(shape)
-    words = torch.empty((numel + 1) // 2, dtype=torch.int64)
+    words = torch.empty((numel + 1) // 2, dtype=torch.int64, device=input.device)
     words.random_(-(2**63), None, generator=generator)  # the full 64-bit range
     uniform = words.view(torch.int32)[:numel].view(shape)
     keep = min(max(round((1 - p) * 2**32), 1), 2**32 - 1)
@@ -254,7 +305,9 @@ class StepSeed:
     def get(self) -> int:
         """Call under ``_global_rng_lock``, outside any replica's generator swap."""
         if self._seed is None:
-            draw = torch.empty((), dtype=torch.int64).random_(generator=torch.default_generator)
+            with _outside_functorch():  # a draw for the step, not for each vmap-ped example
+                draw = torch.empty((), dtype=torch.int64)
+                draw.random_(generator=torch.default_generator)
             self._seed = int(draw)
         return self._seed
 
@@ -276,12 +329,14 @@ class ReplicaRandomness(TorchFunctionMode):
         self._generators = {}
 
     def _generator(self, device: torch.device) -> torch.Generator:
-        """This step's generator of this replica on ``device``."""
+        """This step's generator of this replica on ``device`` (each device a stream of its
+        own: two GPUs, or the CPU and a GPU, never repeat each other's numbers)."""
         generator = self._generators.get(device)
         if generator is None:
             with _global_rng_lock:
                 step_seed = self._step_seed.get()
-            words = np.random.SeedSequence([step_seed, self.replica_id])
+            where = (0,) if device.type == "cpu" else (1, device.index or 0)
+            words = np.random.SeedSequence([step_seed, self.replica_id], spawn_key=where)
             seed = int(words.generate_state(1, np.uint64)[0])
             generator = torch.Generator(device=device).manual_seed(seed)
             self._generators[device] = generator
@@ -291,8 +346,8 @@ class ReplicaRandomness(TorchFunctionMode):
         self,
         func: Callable[..., Any],
         types: Any,
-        args: Args = (),
-        kwargs: Kwargs | None = None,
+        args: _Args = (),
+        kwargs: _Kwargs | None = None,
     ) -> Any:
         route = _ROUTES.get(func)
         if route is None:
@@ -300,67 +355,96 @@ class ReplicaRandomness(TorchFunctionMode):
         handle: Callable[..., Any] = getattr(self, route)
         return handle(func, args, kwargs or {})
 
-    def _with_generator(self, func: Callable[..., Any], args: Args, kwargs: Kwargs) -> Any:
-        if kwargs.get("generator") is not None:  # the caller's own stream
+    def _with_generator(self, func: Callable[..., Any], args: _Args, kwargs: _Kwargs) -> Any:
+        if kwargs.get("generator") is not None or any(
+            isinstance(a, torch.Generator) for a in args
+        ):  # the caller's own stream
             return func(*args, **kwargs)
         device = _device_of(args, kwargs)
-        if device.type not in ("cpu", "cuda"):
+        if device.type not in ("cpu", "cuda"):  # meta tensors draw nothing
             return func(*args, **kwargs)
-        return func(*args, **{**kwargs, "generator": self._generator(device)})
+        try:
+            return func(*args, **{**kwargs, "generator": self._generator(device)})
+        except TypeError:  # no overload with generator= for these arguments (names=, a
+            # positional None): torch parses arguments before it draws, so nothing was drawn
+            return self._swapped(func, args, kwargs)
 
-    def _dropout(self, func: Callable[..., Any], args: Args, kwargs: Kwargs) -> Any:
+    def _rrelu(self, func: Callable[..., Any], args: _Args, kwargs: _Kwargs) -> Any:
+        if not _arg(args, kwargs, 3, "training", False):  # evaluation: the mean slope
+            return func(*args, **kwargs)
+        return self._with_generator(func, args, kwargs)
+
+    def _dropout(self, func: Callable[..., Any], args: _Args, kwargs: _Kwargs) -> Any:
         input = _arg(args, kwargs, 0, "input", None)
-        p = _arg(args, kwargs, 1, "p", None)
+        p = _real(_arg(args, kwargs, 1, "p", None))
         train = _arg(args, kwargs, 2, "train", None)
-        if not (isinstance(input, torch.Tensor) and train and isinstance(p, (int, float))):
-            return func(*args, **kwargs)  # not random, or not valid: torch says why
-        if not 0 < p < 1 or input.numel() == 0:
-            return func(*args, **kwargs)  # nothing to draw
+        if train is not None and not train:
+            return func(*args, **kwargs)
+        if not isinstance(input, torch.Tensor) or p is None:
+            return self._swapped(func, args, kwargs)  # torch decides, on our stream
+        if not 0 < p < 1 or input.numel() == 0 or input.device.type == "meta":
+            return func(*args, **kwargs)  # nothing to draw (p = 1 zeroes; others raise)
         feature = func in _FEATURE_DROPOUTS
-        if input.device.type != "cpu" or (feature and input.dim() < 2):
+        # Our mask is for plain floating-point CPU tensors; torch's own kernel for the rest.
+        if (
+            not _is_plain(input)
+            or input.device.type != "cpu"
+            or not input.is_floating_point()
+            or (feature and input.dim() < 2)
+        ):
             return self._swapped(func, args, kwargs)
         generator = self._generator(input.device)
         return _cpu_dropout(input, p, feature, func in _IN_PLACE_DROPOUTS, generator)
 
-    def _other_dropout(self, func: Callable[..., Any], args: Args, kwargs: Kwargs) -> Any:
-        if _arg(args, kwargs, 2, "train", True) and _arg(args, kwargs, 1, "p", 0.5) > 0:
-            return self._swapped(func, args, kwargs)
-        return func(*args, **kwargs)
+    def _other_dropout(self, func: Callable[..., Any], args: _Args, kwargs: _Kwargs) -> Any:
+        train = _arg(args, kwargs, 2, "train", None)  # native_dropout: None means training
+        if (train is not None and not train) or _real(_arg(args, kwargs, 1, "p", None)) == 0:
+            return func(*args, **kwargs)
+        return self._swapped(func, args, kwargs)
 
-    def _attention(self, func: Callable[..., Any], args: Args, kwargs: Kwargs) -> Any:
-        dropout_p = _arg(args, kwargs, 4, "dropout_p", 0.0)
-        if not dropout_p > 0:
+    def _recurrent(self, func: Callable[..., Any], args: _Args, kwargs: _Kwargs) -> Any:
+        """``torch.lstm`` / ``gru`` / ``rnn_*``: dropout between layers, drawn in C++. Their
+        arguments end ``num_layers, dropout, train, ...`` in both the padded and the packed
+        form."""
+        index = next((i for i, a in enumerate(args) if type(a) is float), None)
+        if index is not None and 0 < index < len(args) - 1:
+            num_layers, dropout, train = args[index - 1 : index + 2]
+            if not (train and dropout > 0 and num_layers > 1):
+                return func(*args, **kwargs)
+        return self._swapped(func, args, kwargs)
+
+    def _attention(self, func: Callable[..., Any], args: _Args, kwargs: _Kwargs) -> Any:
+        dropout_p = _real(_arg(args, kwargs, 4, "dropout_p", 0.0))
+        if dropout_p == 0:
             return func(*args, **kwargs)
         query = _arg(args, kwargs, 0, "query", None)
         key = _arg(args, kwargs, 1, "key", None)
         value = _arg(args, kwargs, 2, "value", None)
         attn_mask = _arg(args, kwargs, 3, "attn_mask", None)
         is_causal = bool(_arg(args, kwargs, 5, "is_causal", False))
-        plain = all(
-            isinstance(t, torch.Tensor)
-            and t.device.type == "cpu"
-            and t.dtype in (torch.float32, torch.float64)
-            and not t.is_nested
-            and t.dim() >= 2
-            for t in (query, key, value)
-        )
-        if not plain or dropout_p >= 1 or (is_causal and attn_mask is not None):
-            return self._swapped(func, args, kwargs)
-        return _cpu_attention(
-            query,
-            key,
-            value,
-            attn_mask,
-            dropout_p,
-            is_causal,
-            kwargs.get("scale"),
-            bool(kwargs.get("enable_gqa", False)),
-            self._generator(query.device),
-        )
+        given_scale = kwargs.get("scale")
+        scale = _real(given_scale)
+        gqa = bool(kwargs.get("enable_gqa", False))
+        if (
+            dropout_p is not None
+            and 0 < dropout_p < 1
+            and _math_attention_fits(query, key, value, attn_mask, is_causal, gqa)
+            # Our math path takes square roots of the scale, as ATen's does of a positive one.
+            and (given_scale is None or (scale is not None and scale > 0))
+        ):
+            generator = self._generator(query.device)
+            return _cpu_attention(
+                query, key, value, attn_mask, dropout_p, is_causal, scale, gqa, generator
+            )
+        if isinstance(query, torch.Tensor) and query.device.type == "meta":
+            return func(*args, **kwargs)
+        return self._swapped(func, args, kwargs)  # torch's kernel (or its error)
 
-    def _around(self, func: Callable[..., Any], args: Args, kwargs: Kwargs) -> Any:
+    def _around(self, func: Callable[..., Any], args: _Args, kwargs: _Kwargs) -> Any:
         body = _body(func)
-        if body is None or func in self._running_bodies:  # the body checked anyway: no loop
+        # A body that dispatches anyway (its check is not one of the globals _body replaces)
+        # comes back here: then torch's function runs whole, on our stream.
+        if body is None or func in self._running_bodies:
             return self._swapped(func, args, kwargs)
         self._running_bodies.add(func)
         try:
@@ -369,23 +453,24 @@ class ReplicaRandomness(TorchFunctionMode):
         finally:
             self._running_bodies.discard(func)
 
-    def _swapped(self, func: Callable[..., Any], args: Args, kwargs: Kwargs) -> Any:
-        """``func`` with this replica's states in the global CPU generator and, on a GPU
-        replica, that GPU's: under the lock, since every thread shares them."""
+    def _swapped(self, func: Callable[..., Any], args: _Args, kwargs: _Kwargs) -> Any:
+        """``func`` with this replica's states in the global CPU generator and, for an op on a
+        GPU, that GPU's: under the lock, since every thread shares them."""
+        device = _device_of(args, kwargs)
         cpu = self._generator(torch.device("cpu"))
-        device = self._generator(self.device) if self.device.type == "cuda" else None
+        gpu = self._generator(device) if device.type == "cuda" else None
         with _global_rng_lock:
             saved_cpu = torch.default_generator.get_state()
             torch.default_generator.set_state(cpu.get_state())
-            if device is not None:
-                global_device = torch.cuda.default_generators[self.device.index or 0]
-                saved_device = global_device.get_state()
-                global_device.set_state(device.get_state())
+            if gpu is not None:
+                global_gpu = torch.cuda.default_generators[device.index or 0]
+                saved_gpu = global_gpu.get_state()
+                global_gpu.set_state(gpu.get_state())
             try:
                 return func(*args, **kwargs)
             finally:
                 cpu.set_state(torch.default_generator.get_state())
                 torch.default_generator.set_state(saved_cpu)
-                if device is not None:
-                    device.set_state(global_device.get_state())
-                    global_device.set_state(saved_device)
+                if gpu is not None:
+                    gpu.set_state(global_gpu.get_state())
+                    global_gpu.set_state(saved_gpu)
