@@ -333,3 +333,67 @@ def test_a_generator_of_the_caller_s_own_is_used_as_given(draw):
     with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
         drawn = strategy.experimental_local_results(strategy.run(lambda: draw(_seeded(21))))
     assert all(torch.equal(d, expected) for d in drawn)
+
+
+def _train_checkpointed(checkpointed: bool) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Dropout(0.5), nn.Linear(32, 5))
+    with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
+        model, optimizer = strategy.mirror(module, torch.optim.SGD(module.parameters(), 0.1))
+
+        def step(batch):
+            x, y = batch
+            if checkpointed:
+                logits = torch.utils.checkpoint.checkpoint(
+                    model,
+                    x,
+                    use_reentrant=False,
+                    context_fn=mirrored.activation_checkpoint_contexts,
+                )
+            else:
+                logits = model(x)
+            loss = F.cross_entropy(logits, y, reduction="none")
+            mirrored.compute_average_loss(loss).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        for batch in strategy.experimental_distribute_dataset(make_batches()):
+            strategy.run(step, args=(batch,))
+        return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_activation_checkpointing_recomputes_with_the_forward_s_dropout_masks():
+    plain, checkpointed = _train_checkpointed(False), _train_checkpointed(True)
+    for name, value in plain.items():
+        torch.testing.assert_close(checkpointed[name], value, rtol=1e-6, atol=1e-7)
+
+
+def test_activation_checkpoint_contexts_outside_a_replica_leave_torch_to_it():
+    x = torch.ones(64, requires_grad=True)
+    torch.manual_seed(1)
+    y = torch.utils.checkpoint.checkpoint(
+        lambda t: F.dropout(t, 0.5, True),
+        x,
+        use_reentrant=False,
+        context_fn=mirrored.activation_checkpoint_contexts,
+    )
+    y.sum().backward()
+    assert torch.equal(x.grad, y.detach())  # the recomputed mask is the forward's
+
+
+def test_the_caller_s_generator_is_left_alone_while_replicas_run_and_takes_one_draw_after():
+    """Replicas read the step's seed from a copy: torch's own saves and restores of the global
+    generator in replica threads (checkpoint's preserve_rng_state) cannot undo the draw."""
+    torch.manual_seed(8)
+    before = torch.get_rng_state()
+    torch.empty((), dtype=torch.int64).random_()
+    after_one_draw = torch.get_rng_state()
+    with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
+        torch.manual_seed(8)
+
+        def step():
+            F.dropout(torch.ones(8), 0.5, True)
+            return torch.equal(torch.get_rng_state(), before)
+
+        assert all(strategy.experimental_local_results(strategy.run(step)))
+        assert torch.equal(torch.get_rng_state(), after_one_draw)

@@ -43,6 +43,7 @@ from mirrored.multi_worker import (
 from mirrored.pipeline import PipelinedModule, PipelinedOptimizer, PipelineStrategy
 from mirrored.pipeline_split import balance_by_time
 from mirrored.powersgd import PowerSGD
+from mirrored.randomness import activation_checkpoint_contexts
 from mirrored.rendezvous import ReplicaAbortedError, SyncMismatchError, SyncTimeoutError
 from mirrored.strategy import Strategy
 from mirrored.training import Model
@@ -84,6 +85,7 @@ __all__ = [
     "TFConfigClusterResolver",
     "TorchrunClusterResolver",
     "ValueContext",
+    "activation_checkpoint_contexts",
     "balance_by_time",
     "callbacks",
     "checkpoint",

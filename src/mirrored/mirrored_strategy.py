@@ -137,14 +137,16 @@ class MirroredStrategy(Strategy):
             torch.cuda.current_stream(d.torch_device) if d.device_type == "GPU" else None
             for d in self.devices
         ]
-        step_seed = StepSeed()
-        for randomness in self._randomness:
-            randomness.start_step(step_seed)
-        try:
-            return self._workers.run(tasks, self.timeout_seconds, rendezvous.abort)
-        finally:
-            for runtime, caller_stream in zip(self._runtimes, self._caller_streams, strict=True):
-                runtime.caller_waits(caller_stream)
+        with StepSeed() as step_seed:
+            for randomness in self._randomness:
+                randomness.start_step(step_seed)
+            try:
+                return self._workers.run(tasks, self.timeout_seconds, rendezvous.abort)
+            finally:
+                for runtime, caller_stream in zip(
+                    self._runtimes, self._caller_streams, strict=True
+                ):
+                    runtime.caller_waits(caller_stream)
 
     @contextmanager
     def _replica_scope(self, replica_id: int) -> Iterator[None]:

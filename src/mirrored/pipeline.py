@@ -185,7 +185,12 @@ class PipelineStrategy(Strategy):
                 f"the strategy is unusable: pipeline stages on {self._stuck_stages} are stuck in "
                 "an operation; create a new strategy"
             )
-        step_seed = StepSeed()
+        with StepSeed() as step_seed:
+            return self._run_pipelines(tasks, rendezvous, step_seed)
+
+    def _run_pipelines(
+        self, tasks: Sequence[Callable[[], Any]], rendezvous: Rendezvous, step_seed: StepSeed
+    ) -> list[Outcome]:
         for randomness in self._randomness:
             randomness.start_step(step_seed)
         deadline = None if self.timeout_seconds is None else time.monotonic() + self.timeout_seconds

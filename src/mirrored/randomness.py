@@ -22,6 +22,11 @@ A thread-local ``TorchFunctionMode`` on each replica's thread routes random ops 
   swaps the replica's state into the device's global generator under a process-wide lock; on a
   GPU the lock spans kernel launches, not kernels.
 
+Activation checkpointing (``torch.utils.checkpoint``) restores only torch's global generators
+before it recomputes a forward, so inside a replica it needs ``context_fn=
+mirrored.activation_checkpoint_contexts`` (``use_reentrant=False``) to recompute with the
+forward's dropout masks; without it the gradients would be those of other masks.
+
 Every random op used to run under that lock: a training transformer's whole attention forward
 did, and two CPU replicas of BERT-tiny waited 33-37 ms of a 130 ms forward for each other
 (benchmarks/RESULTS.md). Non-random ops pass through untouched (one Python call each).
@@ -33,8 +38,8 @@ import inspect
 import math
 import numbers
 import threading
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from types import FunctionType
 from typing import Any
 
@@ -43,12 +48,13 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["ReplicaRandomness", "StepSeed"]
+__all__ = ["ReplicaRandomness", "StepSeed", "activation_checkpoint_contexts"]
 
 _global_rng_lock = threading.Lock()
 
 _Args = tuple[Any, ...]
 _Kwargs = dict[str, Any]
+_Position = tuple["StepSeed", dict[torch.device, torch.Tensor]]
 
 
 def _arg(args: _Args, kwargs: _Kwargs, index: int, name: str, default: Any) -> Any:
@@ -296,20 +302,56 @@ def _cpu_attention(
     return _cpu_dropout(weights, dropout_p, False, False, generator) @ value
 
 
+_entered = threading.local()  # the ReplicaRandomness modes this thread is in, innermost last
+
+
+def activation_checkpoint_contexts() -> tuple[
+    AbstractContextManager[None], AbstractContextManager[None]
+]:
+    """``context_fn`` for ``torch.utils.checkpoint.checkpoint(fn, ..., use_reentrant=False,
+    context_fn=mirrored.activation_checkpoint_contexts)`` inside a replica's function: the
+    recomputation in backward draws the random numbers the forward drew (its dropout masks), so
+    the gradients are those of the forward. torch's ``preserve_rng_state`` does this for its
+    global generators only, and a strategy's replicas draw from streams of their own. Outside a
+    replica (or with one replica, which draws from torch's own) both contexts do nothing."""
+    modes = getattr(_entered, "modes", None)
+    if not modes:
+        return nullcontext(), nullcontext()
+    replica = modes[-1]
+    # torch calls context_fn as the forward begins: the position to replay from is now.
+    return nullcontext(), replica.replaying(replica.position())
+
+
 class StepSeed:
-    """The seed of one step, drawn from the caller's generator only if some replica needs it."""
+    """The seed of one step: the number the caller's generator draws next. Replicas read it
+    from a copy of that generator; the caller's own takes the draw when the step ends, and only
+    if some replica needed the seed. So nothing touches the caller's generator while replicas
+    run: torch's own saves and restores of it there (``checkpoint``'s ``preserve_rng_state``,
+    ``fork_rng``), in several threads at once, cannot undo the draw.
+
+    Use it as a context manager around the step."""
 
     def __init__(self) -> None:
+        self._start = torch.default_generator.get_state()
         self._seed: int | None = None
+        self._after: torch.Tensor | None = None
 
     def get(self) -> int:
-        """Call under ``_global_rng_lock``, outside any replica's generator swap."""
+        """Call under ``_global_rng_lock``."""
         if self._seed is None:
+            copy = torch.Generator()
+            copy.set_state(self._start)
             with _outside_functorch():  # a draw for the step, not for each vmap-ped example
-                draw = torch.empty((), dtype=torch.int64)
-                draw.random_(generator=torch.default_generator)
-            self._seed = int(draw)
+                draw = torch.empty((), dtype=torch.int64).random_(generator=copy)
+            self._seed, self._after = int(draw), copy.get_state()
         return self._seed
+
+    def __enter__(self) -> StepSeed:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._after is not None:
+            torch.default_generator.set_state(self._after)
 
 
 class ReplicaRandomness(TorchFunctionMode):
@@ -327,6 +369,38 @@ class ReplicaRandomness(TorchFunctionMode):
         """Before a step: its streams will derive from ``step_seed`` when first needed."""
         self._step_seed = step_seed
         self._generators = {}
+
+    def __enter__(self) -> ReplicaRandomness:
+        _entered.__dict__.setdefault("modes", []).append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc_info: Any) -> None:
+        super().__exit__(*exc_info)
+        _entered.modes.pop()
+
+    @contextmanager
+    def replaying(self, position: _Position) -> Iterator[None]:
+        """Draw from ``position`` (a ``position()`` taken earlier in the step) inside, and go
+        on from where the streams are now afterwards. The mode is entered too: backward, where
+        a checkpoint recomputes, runs without the forward's torch-function modes."""
+        now = self.position()
+        self._restore(position)
+        try:
+            with self:
+                yield
+        finally:
+            self._restore(now)
+
+    def position(self) -> _Position:
+        """Where this replica's streams are: the step's seed and each generator's state (a
+        generator not created yet starts from the seed when it is)."""
+        return self._step_seed, {d: g.get_state() for d, g in self._generators.items()}
+
+    def _restore(self, position: _Position) -> None:
+        self._step_seed, states = position
+        self._generators = {}
+        for device, state in states.items():
+            self._generator(device).set_state(state)
 
     def _generator(self, device: torch.device) -> torch.Generator:
         """This step's generator of this replica on ``device`` (each device a stream of its
