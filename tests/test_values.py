@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 
 import pytest
+import torch
 
 from mirrored.values import PerReplica, ReduceOp, flatten, map_structure, regroup, select_replica
 
@@ -36,3 +37,10 @@ def test_regroup_and_select_replica_are_inverse():
     assert [select_replica(i, grouped) for i in range(2)] == per_replica
     assert regroup([7]) == 7
     assert "0: 0" in repr(grouped["loss"])
+
+
+def test_a_shape_is_one_leaf_so_replicas_may_return_different_shapes():
+    shapes = [{"shape": torch.Size([3, 2])}, {"shape": torch.Size([2, 2])}]
+    grouped = regroup(shapes)
+    assert grouped["shape"].values == (torch.Size([3, 2]), torch.Size([2, 2]))
+    assert flatten(torch.Size([3, 2])) == [torch.Size([3, 2])]

@@ -65,6 +65,8 @@ def map_structure(fn: Callable[..., Any], *structures: Any) -> Any:
         result.clear()
         result.update(pairs)
         return result
+    if isinstance(first, torch.Size):  # a shape is one value, as TensorFlow's TensorShape
+        return fn(*structures)
     if _is_namedtuple(first):
         return type(first)(*(map_structure(fn, *parts) for parts in zip(*structures, strict=True)))
     if isinstance(first, (list, tuple)):
