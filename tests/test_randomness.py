@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import mirrored
 from mirrored import randomness
@@ -174,6 +175,14 @@ def test_arguments_torch_refuses_raise_torch_s_error_in_a_replica():
                 lambda: F.scaled_dot_product_attention(
                     *[torch.ones(1, 4, 4)] * 3, torch.ones(4, 4, dtype=torch.long), 0.5
                 )
+            )
+        # Flash attention cannot drop out on a CPU.
+        with (
+            sdpa_kernel([SDPBackend.FLASH_ATTENTION]),
+            pytest.raises(RuntimeError, match="No available kernel"),
+        ):
+            strategy.run(
+                lambda: F.scaled_dot_product_attention(*[torch.ones(1, 4, 4)] * 3, None, 0.5)
             )
 
 

@@ -177,7 +177,9 @@ _bodies: dict[Callable[..., Any], Callable[..., Any] | None] = {}
 def _body(func: Callable[..., Any]) -> Callable[..., Any] | None:
     """A copy of torch's Python function ``func`` that skips its own ``__torch_function__``
     check (its globals say no override is active), so that under a mode it runs its body with
-    the mode still on; None when ``func`` does not check through those globals."""
+    the mode still on; None when ``func`` does not check through those globals. The copy's
+    globals are a snapshot of its module's at the first call: a name that module rebinds
+    later (a monkeypatch) is not seen by the copy."""
     if func not in _bodies:
         code = getattr(func, "__code__", None)
         body = None
@@ -234,8 +236,11 @@ def _math_attention_fits(
     query: Any, key: Any, value: Any, attn_mask: Any, is_causal: bool, gqa: bool
 ) -> bool:
     """Whether ``_cpu_attention`` computes what torch's CPU attention would for these
-    arguments; for any other (other devices or dtypes, or arguments torch refuses) torch's own
-    kernel runs, and raises its own errors."""
+    arguments; for any other (other devices or dtypes, arguments torch refuses, or the math
+    backend turned off with ``torch.nn.attention.sdpa_kernel``) torch's own kernel runs, and
+    raises its own errors."""
+    if not torch.backends.cuda.math_sdp_enabled():  # ATen's flag for every device's math path
+        return False
     tensors = (query, key, value)
     if not all(_is_plain(t) and t.device.type == "cpu" and t.dim() >= 2 for t in tensors):
         return False
