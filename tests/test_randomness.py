@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.checkpoint import checkpoint
 
 import mirrored
 from mirrored import randomness
@@ -344,6 +345,13 @@ def test_a_generator_of_the_caller_s_own_is_used_as_given(draw):
     assert all(torch.equal(d, expected) for d in drawn)
 
 
+CHECKPOINT_OPTIONS = {
+    "use_reentrant": False,
+    "preserve_rng_state": False,
+    "context_fn": mirrored.activation_checkpoint_contexts,
+}
+
+
 def _train_checkpointed(checkpointed: bool) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     module = nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Dropout(0.5), nn.Linear(32, 5))
@@ -352,15 +360,7 @@ def _train_checkpointed(checkpointed: bool) -> dict[str, torch.Tensor]:
 
         def step(batch):
             x, y = batch
-            if checkpointed:
-                logits = torch.utils.checkpoint.checkpoint(
-                    model,
-                    x,
-                    use_reentrant=False,
-                    context_fn=mirrored.activation_checkpoint_contexts,
-                )
-            else:
-                logits = model(x)
+            logits = checkpoint(model, x, **CHECKPOINT_OPTIONS) if checkpointed else model(x)
             loss = F.cross_entropy(logits, y, reduction="none")
             mirrored.compute_average_loss(loss).backward()
             optimizer.step()
@@ -377,17 +377,120 @@ def test_activation_checkpointing_recomputes_with_the_forward_s_dropout_masks():
         torch.testing.assert_close(checkpointed[name], value, rtol=1e-6, atol=1e-7)
 
 
-def test_activation_checkpoint_contexts_outside_a_replica_leave_torch_to_it():
+def _checkpoint_twice() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Two backwards through one checkpoint of dropout: their gradients and the forward."""
     x = torch.ones(64, requires_grad=True)
+    y = checkpoint(lambda t: F.dropout(t, 0.5, True) * t, x, **CHECKPOINT_OPTIONS)
+    y.sum().backward(retain_graph=True)
+    first, x.grad = x.grad, None
+    y.sum().backward()  # recomputes again
+    return first, x.grad, y.detach()
+
+
+@pytest.mark.parametrize("where", ["outside a strategy", "one replica", "two replicas"])
+def test_every_backward_through_a_checkpoint_recomputes_the_forward_s_masks(where):
+    """Outside replica streams the context replays torch's own generators, so the same options
+    serve everywhere; and each backward recomputes from the forward's position again."""
     torch.manual_seed(1)
-    y = torch.utils.checkpoint.checkpoint(
-        lambda t: F.dropout(t, 0.5, True),
-        x,
-        use_reentrant=False,
-        context_fn=mirrored.activation_checkpoint_contexts,
-    )
-    y.sum().backward()
-    assert torch.equal(x.grad, y.detach())  # the recomputed mask is the forward's
+    if where == "outside a strategy":
+        results = [_checkpoint_twice()]
+    else:
+        devices = ["cpu:0", "cpu:1"][: 1 if where == "one replica" else 2]
+        with mirrored.MirroredStrategy(devices) as strategy:
+            results = strategy.experimental_local_results(strategy.run(_checkpoint_twice))
+    for first, second, y in results:
+        assert torch.equal(first, 2 * y) and torch.equal(second, 2 * y)  # d(m*t*t)/dt
+        assert 0 < (y == 0).sum() < 64
+
+
+def test_a_checkpoint_inside_a_replica_refuses_preserve_rng_state():
+    def step():
+        x = torch.ones(8, requires_grad=True)
+        return checkpoint(
+            F.relu, x, use_reentrant=False, context_fn=mirrored.activation_checkpoint_contexts
+        )
+
+    with (
+        mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy,
+        pytest.raises(ValueError, match="needs preserve_rng_state=False"),
+    ):
+        strategy.run(step)
+
+
+def test_checkpoints_in_one_replica_leave_another_s_swapped_draws_alone():
+    """Replica 0 recomputes checkpoints while replica 1 swaps its stream into the global
+    generator (alpha dropout): replica 1 draws the same numbers in every run."""
+
+    def run() -> torch.Tensor:
+        torch.manual_seed(0)
+        with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
+
+            def step():
+                if mirrored.get_replica_context().replica_id_in_sync_group == 0:
+                    for _ in range(100):
+                        x = torch.ones(64, requires_grad=True)
+                        checkpoint(
+                            lambda t: F.dropout(t, 0.5, True), x, **CHECKPOINT_OPTIONS
+                        ).sum().backward()
+                    return torch.zeros(())
+                return torch.stack(
+                    [F.alpha_dropout(torch.ones(20_000), 0.5, True)[:8] for _ in range(100)]
+                )
+
+            return strategy.experimental_local_results(strategy.run(step))[1]
+
+    first = run()
+    assert all(torch.equal(run(), first) for _ in range(3))
+
+
+def test_draws_from_the_caller_s_generator_during_a_step_are_kept():
+    """A prefetching input's augmentations draw from the global generator while replicas run:
+    the next step does not draw the same numbers again."""
+    torch.manual_seed(8)
+    expected = []
+    for _ in range(2):
+        expected.append(torch.rand(4))
+        torch.empty((), dtype=torch.int64).random_()  # the step's seed
+    with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
+        torch.manual_seed(8)
+
+        def step():
+            F.dropout(torch.ones(8), 0.5, True)
+            if mirrored.get_replica_context().replica_id_in_sync_group == 0:
+                return torch.rand(4, generator=torch.default_generator)
+            return None
+
+        drawn = [strategy.experimental_local_results(strategy.run(step))[0] for _ in range(2)]
+    assert all(torch.equal(d, e) for d, e in zip(drawn, expected, strict=True))
+
+
+def test_strategies_stepping_at_once_draw_streams_of_their_own():
+    torch.manual_seed(0)
+    meet = threading.Barrier(2)
+    drawn = {}
+
+    def step():
+        if mirrored.get_replica_context().replica_id_in_sync_group == 0:
+            meet.wait(timeout=30)  # both steps have begun before either claims its seed
+        return torch.rand(4)
+
+    def train(name, strategy):
+        drawn[name] = strategy.experimental_local_results(strategy.run(step))
+
+    with (
+        mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as a,
+        mirrored.MirroredStrategy(["cpu:2", "cpu:3"]) as b,
+    ):
+        threads = [threading.Thread(target=train, args=item) for item in (("a", a), ("b", b))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    after = torch.get_rng_state()
+    assert len({tuple(t.tolist()) for t in (*drawn["a"], *drawn["b"])}) == 4
+    torch.manual_seed(0)
+    torch.empty(2, dtype=torch.int64).random_()  # one draw for each step's seed
+    assert torch.equal(after, torch.get_rng_state())
 
 
 def test_the_caller_s_generator_is_left_alone_while_replicas_run_and_takes_one_draw_after():

@@ -3,10 +3,11 @@ reproducible bit for bit from ``torch.manual_seed``.
 
 PyTorch's random ops draw from one process-wide generator per device, so replicas running at
 once would interleave their draws nondeterministically. Each replica therefore draws from
-generators of its own, one per device it draws on, seeded for each step from one seed drawn from
-the caller's global generator the first time a replica of that step needs randomness. So a step
-without random ops leaves the caller's random stream untouched (a shuffling DataLoader sees the
-same stream as in a plain loop), and ``torch.manual_seed(s)`` before training reproduces it.
+generators of its own, one per device it draws on, seeded for each step from one seed: the
+number the caller's global generator draws next (``StepSeed``). That draw is taken when the step
+ends, and only if a replica needed randomness. So a step without random ops leaves the caller's
+random stream untouched (a shuffling DataLoader sees the same stream as in a plain loop), and
+``torch.manual_seed(s)`` before training reproduces it.
 
 A thread-local ``TorchFunctionMode`` on each replica's thread routes random ops to them:
 
@@ -24,8 +25,9 @@ A thread-local ``TorchFunctionMode`` on each replica's thread routes random ops 
 
 Activation checkpointing (``torch.utils.checkpoint``) restores only torch's global generators
 before it recomputes a forward, so inside a replica it needs ``context_fn=
-mirrored.activation_checkpoint_contexts`` (``use_reentrant=False``) to recompute with the
-forward's dropout masks; without it the gradients would be those of other masks.
+mirrored.activation_checkpoint_contexts`` (with ``use_reentrant=False, preserve_rng_state=False``)
+to recompute with the forward's dropout masks; without it the gradients would be those of other
+masks.
 
 Every random op used to run under that lock: a training transformer's whole attention forward
 did, and two CPU replicas of BERT-tiny waited 33-37 ms of a 130 ms forward for each other
@@ -34,14 +36,16 @@ did, and two CPU replicas of BERT-tiny waited 33-37 ms of a 130 ms forward for e
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import numbers
+import sys
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from types import FunctionType
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -314,49 +318,147 @@ def activation_checkpoint_contexts() -> tuple[
     AbstractContextManager[None], AbstractContextManager[None]
 ]:
     """``context_fn`` for ``torch.utils.checkpoint.checkpoint(fn, ..., use_reentrant=False,
-    context_fn=mirrored.activation_checkpoint_contexts)`` inside a replica's function: the
-    recomputation in backward draws the random numbers the forward drew (its dropout masks), so
-    the gradients are those of the forward. torch's ``preserve_rng_state`` does this for its
-    global generators only, and a strategy's replicas draw from streams of their own. Outside a
-    replica (or with one replica, which draws from torch's own) both contexts do nothing."""
+    preserve_rng_state=False, context_fn=mirrored.activation_checkpoint_contexts)`` inside a
+    replica's function: every recomputation in backward draws the random numbers the forward
+    drew (its dropout masks), so the gradients are those of the forward.
+
+    torch's ``preserve_rng_state`` does this for its global generators only, and a strategy's
+    replicas draw from streams of their own. Inside a replica it must be off: it saves and sets
+    the process-wide generators from several replica threads without the lock the replicas' swaps
+    of those generators take (every dropout on a GPU swaps), so a replica could draw another's
+    numbers; this raises ``ValueError`` when it is on. Checkpoints with ``use_reentrant=True``
+    take no ``context_fn`` and recompute with other masks. This ``context_fn`` does not combine
+    with torch's selective checkpointing (``create_selective_checkpoint_contexts``).
+
+    Where code draws from torch's own generators (outside ``strategy.run``, or a
+    ``MirroredStrategy`` of one replica) the recomputation draws from the states the CPU's and
+    every initialised CUDA device's generators had at the forward, as ``preserve_rng_state``
+    would: the same options serve a model inside and outside replicas."""
     modes = getattr(_entered, "modes", None)
     if not modes:
-        return nullcontext(), nullcontext()
-    replica = modes[-1]
-    # torch calls context_fn as the forward begins: the position to replay from is now.
-    return nullcontext(), replica.replaying(replica.position())
+        return nullcontext(), _Replay(_TORCH_STREAMS, nullcontext())
+    # torch calls context_fn from its checkpoint, whose argument this reads (None from another
+    # caller, or a torch that names it otherwise: then nothing is checked).
+    if sys._getframe(1).f_locals.get("preserve_rng_state") is True:
+        raise ValueError(
+            "torch.utils.checkpoint inside a replica with context_fn="
+            "mirrored.activation_checkpoint_contexts needs preserve_rng_state=False: the context "
+            "replays the replica's own random streams, and torch's preserve_rng_state would set "
+            "the process-wide generators from several replica threads at once. Pass "
+            "preserve_rng_state=False (Hugging Face models: in gradient_checkpointing_kwargs)"
+        )
+    # The mode is entered for the recomputation too: backward, where a checkpoint recomputes,
+    # runs without the forward's torch-function modes.
+    return nullcontext(), _Replay(modes[-1], modes[-1])
+
+
+class _Streams(Protocol):
+    """Random streams that can say where they are and go back there."""
+
+    def position(self) -> Any: ...
+
+    def restore(self, position: Any) -> None: ...
+
+
+class _TorchStreams:
+    """torch's own generators: the CPU's and, once CUDA is initialised, every GPU's."""
+
+    def position(self) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        return torch.get_rng_state(), cuda
+
+    def restore(self, position: tuple[torch.Tensor, list[torch.Tensor] | None]) -> None:
+        cpu, cuda = position
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+_TORCH_STREAMS = _TorchStreams()
+
+
+class _Replay:
+    """The recompute context of one checkpoint, made as its forward begins: each time it is
+    entered (every backward through the checkpoint recomputes) ``streams`` draw from where they
+    were at the forward, with ``mode`` entered, and go on from where they were afterwards."""
+
+    def __init__(self, streams: _Streams, mode: AbstractContextManager[Any]) -> None:
+        self._streams = streams
+        self._mode = mode
+        self._forward = streams.position()
+        self._resume: list[Any] = []
+
+    def __enter__(self) -> None:
+        resume = self._streams.position()
+        self._streams.restore(self._forward)
+        self._resume.append(resume)
+        try:
+            self._mode.__enter__()
+        except BaseException:
+            self._streams.restore(self._resume.pop())
+            raise
+
+    def __exit__(self, *exc_info: Any) -> None:
+        try:
+            self._mode.__exit__(*exc_info)
+        finally:
+            self._streams.restore(self._resume.pop())
+
+
+@dataclasses.dataclass
+class _SeedDraws:
+    """Step seeds claimed in this process and the draws the caller's generator took for them,
+    counted under ``_global_rng_lock``: a seed claimed while another step's draw is pending
+    (strategies stepping at once from two threads) skips it, so every step has a seed of its
+    own."""
+
+    claimed: int = 0
+    taken: int = 0
+
+
+_seed_draws = _SeedDraws()
 
 
 class StepSeed:
-    """The seed of one step: the number the caller's generator draws next. Replicas read it
-    from a copy of that generator; the caller's own takes the draw when the step ends, and only
-    if some replica needed the seed. So nothing touches the caller's generator while replicas
-    run: torch's own saves and restores of it there (``checkpoint``'s ``preserve_rng_state``,
-    ``fork_rng``), in several threads at once, cannot undo the draw.
+    """The seed of one step: the number the caller's generator draws next as the step begins.
+    Replicas read it from a copy of that generator; the caller's own takes one draw when the
+    step ends, and only if some replica needed the seed. So mirrored draws nothing from the
+    caller's generator while replicas run, where a save and restore of it in a replica thread
+    (a ``fork_rng``) could undo the draw; draws others make from it meanwhile (a prefetching
+    input's augmentations) are kept.
 
     Use it as a context manager around the step."""
 
     def __init__(self) -> None:
-        self._start = torch.default_generator.get_state()
+        self._start: torch.Tensor | None = None
+        self._taken_at_start = 0
         self._seed: int | None = None
-        self._after: torch.Tensor | None = None
+
+    def __enter__(self) -> StepSeed:
+        with _global_rng_lock:
+            self._start = torch.default_generator.get_state()
+            self._taken_at_start = _seed_draws.taken
+        return self
 
     def get(self) -> int:
         """Call under ``_global_rng_lock``."""
         if self._seed is None:
+            if self._start is None:
+                raise RuntimeError("a replica drew random numbers outside a step")
             copy = torch.Generator()
             copy.set_state(self._start)
+            pending = _seed_draws.claimed - self._taken_at_start  # other steps' seeds
             with _outside_functorch():  # a draw for the step, not for each vmap-ped example
-                draw = torch.empty((), dtype=torch.int64).random_(generator=copy)
-            self._seed, self._after = int(draw), copy.get_state()
+                draws = torch.empty(pending + 1, dtype=torch.int64).random_(generator=copy)
+            self._seed = int(draws[-1])
+            _seed_draws.claimed += 1
         return self._seed
 
-    def __enter__(self) -> StepSeed:
-        return self
-
     def __exit__(self, *exc_info: object) -> None:
-        if self._after is not None:
-            torch.default_generator.set_state(self._after)
+        if self._seed is not None:
+            with _global_rng_lock, _outside_functorch():
+                torch.empty((), dtype=torch.int64).random_()
+                _seed_draws.taken += 1
 
 
 class ReplicaRandomness(TorchFunctionMode):
@@ -376,36 +478,27 @@ class ReplicaRandomness(TorchFunctionMode):
         self._generators = {}
 
     def __enter__(self) -> ReplicaRandomness:
+        super().__enter__()
         _entered.__dict__.setdefault("modes", []).append(self)
-        return super().__enter__()
+        return self
 
     def __exit__(self, *exc_info: Any) -> None:
         super().__exit__(*exc_info)
         _entered.modes.pop()
-
-    @contextmanager
-    def replaying(self, position: _Position) -> Iterator[None]:
-        """Draw from ``position`` (a ``position()`` taken earlier in the step) inside, and go
-        on from where the streams are now afterwards. The mode is entered too: backward, where
-        a checkpoint recomputes, runs without the forward's torch-function modes."""
-        now = self.position()
-        self._restore(position)
-        try:
-            with self:
-                yield
-        finally:
-            self._restore(now)
 
     def position(self) -> _Position:
         """Where this replica's streams are: the step's seed and each generator's state (a
         generator not created yet starts from the seed when it is)."""
         return self._step_seed, {d: g.get_state() for d, g in self._generators.items()}
 
-    def _restore(self, position: _Position) -> None:
-        self._step_seed, states = position
-        self._generators = {}
+    def restore(self, position: _Position) -> None:
+        """Draw from ``position`` (one ``position()`` returned earlier) on."""
+        step_seed, states = position
+        generators = {}
         for device, state in states.items():
-            self._generator(device).set_state(state)
+            generators[device] = torch.Generator(device=device)
+            generators[device].set_state(state)
+        self._step_seed, self._generators = step_seed, generators
 
     def _generator(self, device: torch.device) -> torch.Generator:
         """This step's generator of this replica on ``device`` (each device a stream of its
