@@ -496,9 +496,9 @@ def test_an_all_reduce_of_different_sizes_is_explained(
     assert any(errors[0].format(rank=worker.rank) in worker.output for worker in workers)
     for worker, other in ((workers[0], "[1 x float32]"), (workers[1], "[2 x float32]")):
         assert worker.returncode != 0
-        assert any(
-            error.format(rank=worker.rank) in worker.output for error in errors
-        ), worker.output[-1500:]
+        assert any(error.format(rank=worker.rank) in worker.output for error in errors), (
+            worker.output[-1500:]
+        )
         assert re.search(
             rf"is at the same collective \(#\d+\) with another tensor or purpose: "
             rf"'all_reduce {re.escape(other)}'",
