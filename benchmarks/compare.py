@@ -32,8 +32,9 @@ Rows:
   default only on some CPUs), Keras's Adam (lr 1e-3), a ``tf.function`` of ``strategy.run`` with
   ``GradientTape``, ``tf.nn.compute_average_loss`` and ``apply_gradients``, input from
   ``strategy.experimental_distribute_dataset`` of a ``tf.data`` dataset of the same batches;
-  TensorFlow's own thread pools. Only when ``tensorflow`` is installed and imports (``pip install
-  tensorflow-cpu``); otherwise one line says they were skipped.
+  TensorFlow's own thread pools. Only when ``tensorflow`` is installed and imports (the
+  ``tensorflow`` extra: ``pip install -e '.[tensorflow]'``); otherwise one line says they were
+  skipped.
 
 Timing: each measurement builds a fresh model and optimizer (and strategy; TensorFlow's are built
 once per row and reused, so that tracing is not repeated), runs 3 warm-up steps, then times
@@ -1101,7 +1102,7 @@ def start_tensorflow(args: argparse.Namespace, plan: dict[str, tuple[int, int]])
     if importlib.util.find_spec("tensorflow") is None:
         print(
             "TensorFlow rows: skipped, tensorflow is not installed "
-            "(pip install tensorflow-cpu to get tf-mirrored-1/2/4)"
+            "(pip install -e '.[tensorflow]' to get tf-mirrored-1/2/4)"
         )
         return {}
     peers: dict[str, Peer] = {}
@@ -1109,7 +1110,9 @@ def start_tensorflow(args: argparse.Namespace, plan: dict[str, tuple[int, int]])
         for row in TF_ROWS:
             peers[row] = Peer(_tf_worker, (DEVICE_COUNT[row], plan), 1, row)
             if not str(peers[row].ready).startswith("ok"):
-                print(f"TensorFlow rows: skipped, {peers[row].ready} (pip install tensorflow-cpu)")
+                print(
+                    f"TensorFlow rows: skipped, {peers[row].ready} (pip install -e '.[tensorflow]')"
+                )
                 for peer in peers.values():
                     peer.close()
                 return {}
