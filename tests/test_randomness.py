@@ -166,6 +166,7 @@ def test_every_device_of_a_replica_draws_a_stream_of_its_own():
     assert same is False  # "cpu:0" is the CPU's one generator, not a second with the seed
 
 
+@pytest.mark.filterwarnings("ignore:.*(Flash attention|fused kernels):UserWarning")
 def test_arguments_torch_refuses_raise_torch_s_error_in_a_replica():
     sparse = torch.ones(4, 4).to_sparse()
     with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
