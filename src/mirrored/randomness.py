@@ -45,12 +45,14 @@ import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from types import FunctionType
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+
+from mirrored import rng_state
 
 __all__ = ["ReplicaRandomness", "StepSeed", "activation_checkpoint_contexts"]
 
@@ -336,7 +338,7 @@ def activation_checkpoint_contexts() -> tuple[
     would: the same options serve a model inside and outside replicas."""
     modes = getattr(_entered, "modes", None)
     if not modes:
-        return nullcontext(), _Replay(_TORCH_STREAMS, nullcontext())
+        return nullcontext(), _Replay(rng_state.capture_torch, rng_state.restore_torch, None)
     # torch calls context_fn from its checkpoint, whose argument this reads (None from another
     # caller, or a torch that names it otherwise: then nothing is checked).
     if sys._getframe(1).f_locals.get("preserve_rng_state") is True:
@@ -349,60 +351,45 @@ def activation_checkpoint_contexts() -> tuple[
         )
     # The mode is entered for the recomputation too: backward, where a checkpoint recomputes,
     # runs without the forward's torch-function modes.
-    return nullcontext(), _Replay(modes[-1], modes[-1])
-
-
-class _Streams(Protocol):
-    """Random streams that can say where they are and go back there."""
-
-    def position(self) -> Any: ...
-
-    def restore(self, position: Any) -> None: ...
-
-
-class _TorchStreams:
-    """torch's own generators: the CPU's and, once CUDA is initialised, every GPU's."""
-
-    def position(self) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
-        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-        return torch.get_rng_state(), cuda
-
-    def restore(self, position: tuple[torch.Tensor, list[torch.Tensor] | None]) -> None:
-        cpu, cuda = position
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
-
-
-_TORCH_STREAMS = _TorchStreams()
+    replica = modes[-1]
+    return nullcontext(), _Replay(replica.position, replica.restore, replica)
 
 
 class _Replay:
     """The recompute context of one checkpoint, made as its forward begins: each time it is
-    entered (every backward through the checkpoint recomputes) ``streams`` draw from where they
-    were at the forward, with ``mode`` entered, and go on from where they were afterwards."""
+    entered (every backward through the checkpoint recomputes) the streams ``position`` reads and
+    ``restore`` sets draw from where they were at the forward, with ``mode`` (a replica's)
+    entered, and go on from where they were afterwards."""
 
-    def __init__(self, streams: _Streams, mode: AbstractContextManager[Any]) -> None:
-        self._streams = streams
+    def __init__(
+        self,
+        position: Callable[[], Any],
+        restore: Callable[[Any], None],
+        mode: ReplicaRandomness | None,
+    ) -> None:
+        self._position = position
+        self._restore = restore
         self._mode = mode
-        self._forward = streams.position()
+        self._forward = position()
         self._resume: list[Any] = []
 
     def __enter__(self) -> None:
-        resume = self._streams.position()
-        self._streams.restore(self._forward)
+        resume = self._position()
+        self._restore(self._forward)
         self._resume.append(resume)
-        try:
-            self._mode.__enter__()
-        except BaseException:
-            self._streams.restore(self._resume.pop())
-            raise
+        if self._mode is not None:
+            try:
+                self._mode.__enter__()
+            except BaseException:
+                self._restore(self._resume.pop())
+                raise
 
     def __exit__(self, *exc_info: Any) -> None:
         try:
-            self._mode.__exit__(*exc_info)
+            if self._mode is not None:
+                self._mode.__exit__(*exc_info)
         finally:
-            self._streams.restore(self._resume.pop())
+            self._restore(self._resume.pop())
 
 
 @dataclasses.dataclass
@@ -441,18 +428,18 @@ class StepSeed:
         return self
 
     def get(self) -> int:
-        """Call under ``_global_rng_lock``."""
-        if self._seed is None:
-            if self._start is None:
-                raise RuntimeError("a replica drew random numbers outside a step")
-            copy = torch.Generator()
-            copy.set_state(self._start)
-            pending = _seed_draws.claimed - self._taken_at_start  # other steps' seeds
-            with _outside_functorch():  # a draw for the step, not for each vmap-ped example
-                draws = torch.empty(pending + 1, dtype=torch.int64).random_(generator=copy)
-            self._seed = int(draws[-1])
-            _seed_draws.claimed += 1
-        return self._seed
+        with _global_rng_lock:
+            if self._seed is None:
+                if self._start is None:
+                    raise RuntimeError("a replica drew random numbers outside a step")
+                copy = torch.Generator()
+                copy.set_state(self._start)
+                pending = _seed_draws.claimed - self._taken_at_start  # other steps' seeds
+                with _outside_functorch():  # a draw for the step, not for each vmap-ped example
+                    draws = torch.empty(pending + 1, dtype=torch.int64).random_(generator=copy)
+                self._seed = int(draws[-1])
+                _seed_draws.claimed += 1
+            return self._seed
 
     def __exit__(self, *exc_info: object) -> None:
         if self._seed is not None:
@@ -505,8 +492,7 @@ class ReplicaRandomness(TorchFunctionMode):
         own: two GPUs, or the CPU and a GPU, never repeat each other's numbers)."""
         generator = self._generators.get(device)
         if generator is None:
-            with _global_rng_lock:
-                step_seed = self._step_seed.get()
+            step_seed = self._step_seed.get()
             where = (0,) if device.type == "cpu" else (1, device.index or 0)
             words = np.random.SeedSequence([step_seed, self.replica_id], spawn_key=where)
             seed = int(words.generate_state(1, np.uint64)[0])

@@ -15,15 +15,30 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["capture", "restore"]
+__all__ = ["capture", "capture_torch", "restore", "restore_torch"]
+
+
+def capture_torch() -> dict[str, Any]:
+    """The state of torch's CPU generator and, once CUDA is initialised, every GPU's."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_torch(state: dict[str, Any]) -> None:
+    """Put back what ``capture_torch`` (or ``capture``) returned, for torch's generators."""
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def capture() -> dict[str, Any]:
     """The state of torch's CPU and CUDA generators, numpy's and Python's."""
     kind, keys, position, has_gauss, cached_gaussian = np.random.get_state()
     version, python_state, gauss_next = random.getstate()
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
+    return {
+        **capture_torch(),
         "numpy": {
             "kind": kind,
             "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
@@ -33,14 +48,11 @@ def capture() -> dict[str, Any]:
         },
         "python": {"version": version, "state": list(python_state), "gauss_next": gauss_next},
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
 
 
 def restore(state: dict[str, Any]) -> None:
     """Put back what ``capture`` returned."""
-    torch.set_rng_state(state["torch"])
+    restore_torch(state)
     saved = state["numpy"]
     np.random.set_state(
         (
@@ -53,5 +65,3 @@ def restore(state: dict[str, Any]) -> None:
     )
     python = state["python"]
     random.setstate((python["version"], tuple(python["state"]), python["gauss_next"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
