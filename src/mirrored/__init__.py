@@ -32,7 +32,13 @@ from mirrored.cross_device_ops import (
 from mirrored.input import DistributedDataset, InputContext, InputOptions, ValueContext
 from mirrored.load_balancing import LoadBalancing
 from mirrored.local_sgd import LocalSGD
-from mirrored.losses import compute_average_loss
+from mirrored.loss_scaling import (
+    LossScalingWarning,
+    compute_average_loss,
+    compute_weighted_average_loss,
+    scale_regularization_loss,
+    scale_shard_mean,
+)
 from mirrored.mirror import MirroredModule, MirroredOptimizer
 from mirrored.mirrored_strategy import MirroredStrategy
 from mirrored.multi_worker import (
@@ -63,6 +69,7 @@ __all__ = [
     "InputOptions",
     "LoadBalancing",
     "LocalSGD",
+    "LossScalingWarning",
     "Model",
     "MirroredModule",
     "MirroredOptimizer",
@@ -90,6 +97,7 @@ __all__ = [
     "callbacks",
     "checkpoint",
     "compute_average_loss",
+    "compute_weighted_average_loss",
     "config",
     "get_replica_context",
     "get_strategy",
@@ -99,6 +107,8 @@ __all__ = [
     "metrics",
     "optimizers",
     "partitioners",
+    "scale_regularization_loss",
+    "scale_shard_mean",
 ]
 
 # Built on torch.distributed.rpc, which some builds of torch lack: imported when first used.
