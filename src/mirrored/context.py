@@ -55,6 +55,8 @@ class ReplicaContext:
         self.replica_id_in_sync_group = replica_id
         self.exchange = exchange
         self.global_batch_size = global_batch_size
+        # Backward passes this replica started since a mirrored optimizer last stepped.
+        self.backward_passes = 0
 
     @property
     def local_replica_id(self) -> int:

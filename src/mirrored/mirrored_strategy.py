@@ -21,7 +21,7 @@ from mirrored.local_sgd import LocalSGD
 from mirrored.randomness import ReplicaRandomness, StepSeed
 from mirrored.rendezvous import Rendezvous
 from mirrored.replica_workers import Outcome, ReplicaWorkers
-from mirrored.strategy import Strategy
+from mirrored.strategy import Strategy, observe_backward
 from mirrored.values import flatten
 from mirrored.zero_redundancy import check_zero_stage
 
@@ -107,7 +107,10 @@ class MirroredStrategy(Strategy):
         cpu_replicas = sum(1 for d in logical if d.device_type == "CPU") or 1
         threads = max(1, torch.get_num_threads() // cpu_replicas)
         self._runtimes = [ReplicaDeviceRuntime(d, threads) for d in logical]
-        self._randomness = [ReplicaRandomness(i, d.torch_device) for i, d in enumerate(logical)]
+        self._randomness = [
+            ReplicaRandomness(i, d.torch_device, on_backward=observe_backward)
+            for i, d in enumerate(logical)
+        ]
         self._workers = ReplicaWorkers([d.short_name for d in logical])
         self.replica_speeds = (
             None if load_balancing is None else ReplicaSpeeds(load_balancing, len(logical))

@@ -169,6 +169,8 @@ _ROUTES: dict[Callable[..., Any], str] = {
     **dict.fromkeys(_RECURRENT, "_recurrent"),
     F.scaled_dot_product_attention: "_attention",
     **dict.fromkeys(_AROUND_RANDOM_OPS, "_around"),
+    torch.Tensor.backward: "_backward",
+    torch.autograd.backward: "_backward",
 }
 _DISPATCH_CHECKS = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")
 
@@ -451,10 +453,18 @@ class StepSeed:
 class ReplicaRandomness(TorchFunctionMode):
     """The random stream of one replica; enter it on the replica's thread around its work."""
 
-    def __init__(self, replica_id: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        replica_id: int,
+        device: torch.device,
+        on_backward: Callable[[tuple[torch.Tensor, ...]], None] | None = None,
+    ) -> None:
         super().__init__()
         self.replica_id = replica_id
         self.device = device
+        # Told of each backward pass the replica starts (its root tensors) before it runs: the
+        # strategy checks the loss's scaling and counts the passes there.
+        self.on_backward = on_backward
         self._step_seed = StepSeed()
         self._generators: dict[torch.device, torch.Generator] = {}
         self._running_bodies: set[Callable[..., Any]] = set()
@@ -610,6 +620,14 @@ class ReplicaRandomness(TorchFunctionMode):
                 return body(*args, **kwargs)
         finally:
             self._running_bodies.discard(func)
+
+    def _backward(self, func: Callable[..., Any], args: _Args, kwargs: _Kwargs) -> Any:
+        """``loss.backward()`` / ``torch.autograd.backward``: ``on_backward`` sees the roots
+        first, so that a loss it refuses changes no gradient."""
+        if self.on_backward is not None:
+            roots = _arg(args, kwargs, 0, "tensors", ())
+            self.on_backward((roots,) if isinstance(roots, torch.Tensor) else tuple(roots))
+        return func(*args, **kwargs)
 
     def _swapped(self, func: Callable[..., Any], args: _Args, kwargs: _Kwargs) -> Any:
         """``func`` with this replica's states in the global CPU generator and, for an op on a

@@ -33,6 +33,7 @@ from mirrored.input import (
     prefetch_depth,
 )
 from mirrored.local_sgd import LocalSGD, LocalSteps
+from mirrored.loss_scaling import check_loss_scaling
 from mirrored.rendezvous import Rendezvous, ReplicaAbortedError, ReplicaExchange
 from mirrored.replica_workers import Outcome
 from mirrored.values import PerReplica, ReduceOp, flatten, map_structure, regroup, select_replica
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
     from mirrored.mirror import MirroredModule, MirroredOptimizer
     from mirrored.worker_group import WorkerGroup
 
-__all__ = ["Strategy", "add_note", "default_strategy"]
+__all__ = ["Strategy", "add_note", "default_strategy", "observe_backward"]
 
 OptimizerT = TypeVar("OptimizerT", bound=torch.optim.Optimizer)
 
@@ -511,6 +512,16 @@ def add_note(error: BaseException, note: str) -> None:
     notes: list[str] = getattr(error, "__notes__", [])
     if note not in notes:
         error.__notes__ = [*notes, note]  # type: ignore[attr-defined]
+
+
+def observe_backward(roots: tuple[torch.Tensor, ...]) -> None:
+    """As a replica starts a backward pass from ``roots``: count it (a mirrored optimizer checks
+    at its step that every replica ran one), and refuse a loss averaged over the replica's shard
+    (:mod:`mirrored.loss_scaling`)."""
+    replica = context.current_replica_context()
+    if replica is not None:
+        check_loss_scaling(roots, replica)
+        replica.backward_passes += 1
 
 
 def _to_device(structure: Any, device: torch.device | None) -> Any:
