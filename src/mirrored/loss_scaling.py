@@ -12,9 +12,11 @@ strategy's custom loop for the same reason).
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections import deque
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -121,9 +123,10 @@ def scale_shard_mean(shard_mean: torch.Tensor, count: int | torch.Tensor) -> tor
         )
     local = torch.as_tensor(count, device=shard_mean.device).detach()
     share = local.to(torch.float64) / _global_sum(local).to(torch.float64)
-    # A shard with nothing to average gives a NaN mean (torch's mean of nothing): no part at all.
-    part = torch.where(local > 0, shard_mean.reshape(()), shard_mean.new_zeros(()))
-    return _mark_scaled(part * share.to(shard_mean.dtype))
+    if not bool(local > 0):
+        # A mean of nothing is NaN, and so may be its gradient: this shard takes no part.
+        return shard_mean.new_zeros(()).requires_grad_()
+    return _mark_scaled(shard_mean.reshape(()) * share.to(shard_mean.dtype))
 
 
 def scale_regularization_loss(regularization_loss: torch.Tensor) -> torch.Tensor:
@@ -150,8 +153,9 @@ def _global_sum(local: torch.Tensor) -> torch.Tensor:
 
 
 def _mark_scaled(loss: torch.Tensor) -> torch.Tensor:
-    if loss.grad_fn is not None:
-        loss.grad_fn.metadata[_SCALED] = True
+    node: Any = loss.grad_fn
+    if node is not None:
+        node.metadata[_SCALED] = True
     return loss
 
 
@@ -190,6 +194,17 @@ def _how_reduced(root: torch.Tensor) -> str:
 _warned = False
 
 
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside mirrored and torch: the user's
+    ``loss.backward()``."""
+    level, frame = 2, sys._getframe(2)
+    while frame.f_back is not None and frame.f_globals.get("__name__", "").startswith(
+        ("mirrored.", "torch")
+    ):
+        level, frame = level + 1, frame.f_back
+    return level
+
+
 def check_loss_scaling(roots: Sequence[torch.Tensor], replica: ReplicaContext) -> None:
     """Called as ``replica`` starts a backward pass from ``roots``: a ``ValueError`` for a loss
     averaged over this replica's shard, a ``LossScalingWarning`` (once a process) for a loss that
@@ -211,7 +226,7 @@ def check_loss_scaling(roots: Sequence[torch.Tensor], replica: ReplicaContext) -
                 "global batch size, not the replica's. Silence this warning with "
                 "warnings.filterwarnings('ignore', category=mirrored.LossScalingWarning)",
                 LossScalingWarning,
-                stacklevel=2,
+                stacklevel=_caller_level(),
             )
         elif how not in ("scaled", "unscaled"):
             raise ValueError(
