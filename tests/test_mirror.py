@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -85,29 +87,6 @@ def _continue_training(strategy, model, optimizer, batches):
         strategy.run(step, args=(batch,))
 
 
-def test_lr_scheduler_on_the_original_optimizer_drives_every_replica(strategy):
-    batches = make_batches()
-    reference = make_mlp()
-    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
-    reference_scheduler = torch.optim.lr_scheduler.StepLR(reference_optimizer, 3, gamma=0.5)
-    for x, y in batches:
-        F.cross_entropy(reference(x), y).backward()
-        reference_optimizer.step()
-        reference_optimizer.zero_grad()
-        reference_scheduler.step()
-
-    module = make_mlp()
-    optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 3, gamma=0.5)
-    model, mirrored_optimizer = strategy.mirror(module, optimizer)
-    for batch in strategy.experimental_distribute_dataset(batches):
-        _one_step(strategy, model, mirrored_optimizer, batch)
-        scheduler.step()  # in cross-replica context, once per step
-    assert mirrored_optimizer.param_groups[0]["lr"] == reference_optimizer.param_groups[0]["lr"]
-    assert_same_parameters(reference, model)
-    assert_replicas_identical(model)
-
-
 def _one_step(strategy, model, optimizer, batch):
     def step(batch):
         x, y = batch
@@ -134,7 +113,13 @@ def test_parameters_without_gradient_stay_untouched(strategy):
         module, torch.optim.SGD(module.parameters(), lr=0.1, weight_decay=0.1)
     )
     (batch,) = strategy.experimental_distribute_dataset([torch.ones(6, 3)])
-    strategy.run(lambda x: (model(x).sum().backward(), optimizer.step()), args=(batch,))
+    strategy.run(
+        lambda x: (
+            mirrored.compute_average_loss(model(x).sum(1)).backward(),
+            optimizer.step(),
+        ),
+        args=(batch,),
+    )
     assert torch.equal(model.unused.weight, before)
     assert all(r.unused.weight.grad is None for r in model.replicas)
 
@@ -265,3 +250,134 @@ def test_mirrored_module_behaves_like_an_object_users_probe():
             strategy.run(lambda: model["a"](torch.ones(1, 2)))
         strategy.run(lambda: model["a"](torch.ones(1, 2)))
         assert len(calls) == 2
+
+
+SCHEDULERS = {
+    "step": lambda o: torch.optim.lr_scheduler.StepLR(o, 3, gamma=0.5),
+    "one_cycle": lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.2, total_steps=20),
+    "cyclic": lambda o: torch.optim.lr_scheduler.CyclicLR(o, 0.01, 0.2, step_size_up=3),
+    "lambda": lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda step: 1 / (1 + step)),
+    "sequential": lambda o: torch.optim.lr_scheduler.SequentialLR(
+        o,
+        [
+            torch.optim.lr_scheduler.LinearLR(o, start_factor=0.5, total_iters=2),
+            torch.optim.lr_scheduler.ExponentialLR(o, gamma=0.9),
+        ],
+        milestones=[2],
+    ),
+}
+
+
+@pytest.mark.parametrize("built", ["before_mirror", "after_mirror"])
+@pytest.mark.parametrize("name", sorted(SCHEDULERS))
+def test_torch_schedulers_drive_every_replica(strategy, name, built):
+    batches = make_batches()[:8]
+    reference = make_mlp()
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    reference_scheduler = SCHEDULERS[name](reference_optimizer)
+    for x, y in batches:
+        F.cross_entropy(reference(x), y).backward()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+        reference_scheduler.step()
+
+    module = make_mlp()
+    original = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    scheduler = SCHEDULERS[name](original) if built == "before_mirror" else None
+    model, optimizer = strategy.mirror(module, original)
+    assert isinstance(optimizer, torch.optim.Optimizer)
+    scheduler = scheduler or SCHEDULERS[name](optimizer)  # on what mirror() returned
+    for batch in strategy.experimental_distribute_dataset(batches):
+        _one_step(strategy, model, optimizer, batch)
+        scheduler.step()  # in cross-replica context, once per step
+    assert scheduler.get_last_lr() == reference_scheduler.get_last_lr()
+    assert_same_parameters(reference, model)
+    assert_replicas_identical(model)
+
+
+def test_reduce_lr_on_plateau_takes_the_mirrored_optimizer(strategy):
+    module = make_mlp()
+    _, optimizer = strategy.mirror(module, torch.optim.SGD(module.parameters(), lr=0.1))
+    scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=0, factor=0.5)
+    for loss in (1.0, 2.0, 3.0):
+        scheduler.step(loss)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.025)
+
+
+def test_a_mirrored_optimizer_refuses_what_would_reach_one_replica(strategy):
+    module = make_mlp()
+    mirrored_model, optimizer = strategy.mirror(
+        module, torch.optim.SGD(module.parameters(), lr=0.1)
+    )
+    with pytest.raises(TypeError, match=r"before strategy\.mirror\(\)"):
+        optimizer.add_param_group({"params": [nn.Parameter(torch.zeros(1))]})
+    with pytest.raises(TypeError, match="cannot be copied"):
+        copy.deepcopy(optimizer)
+    with pytest.raises(TypeError, match="already mirrored"):
+        strategy.mirror(make_mlp(), optimizer)
+    calls = []
+    handles = optimizer.register_step_post_hook(lambda opt, args, kwargs: calls.append(opt))
+    (batch,) = strategy.experimental_distribute_dataset(make_batches()[:1])
+    _one_step(strategy, mirrored_model, optimizer, batch)
+    assert sorted(map(id, calls)) == sorted(map(id, optimizer.optimizers))
+    handles.remove()
+    _one_step(strategy, mirrored_model, optimizer, batch)
+    assert len(calls) == len(optimizer.optimizers)
+
+
+def test_a_module_mirrored_twice_is_refused_until_released():
+    with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as first:
+        with mirrored.MirroredStrategy(["cpu:2", "cpu:3"]) as second:
+            module = make_mlp()
+            model = first.mirror(module)
+            for target in (module, module[2]):  # the module, or one of its submodules
+                with pytest.raises(ValueError, match="already mirrored by MirroredStrategy"):
+                    second.mirror(target)
+            with pytest.raises(ValueError, match="release"):
+                first.mirror(module)
+            model.release()
+            again = second.mirror(module)
+            with pytest.raises(RuntimeError, match="released"):
+                first.run(lambda: model(torch.zeros(1, 12)))
+            assert second.run(lambda: again(torch.zeros(1, 12))).values[1].shape == (1, 5)
+        # The second strategy is closed: its mirror no longer holds the module.
+        first.mirror(module)
+
+
+def test_a_released_mirror_cannot_step():
+    with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
+        module = make_mlp()
+        model, optimizer = strategy.mirror(module, torch.optim.SGD(module.parameters(), lr=0.1))
+        model.release()
+        with pytest.raises(RuntimeError, match="released"):
+            strategy.run(optimizer.step)
+        strategy.mirror(module, torch.optim.SGD(module.parameters(), lr=0.1))
+
+
+def test_a_replica_stepping_without_backward_is_a_sync_mismatch(strategy):
+    module = make_mlp()
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    model, optimizer = strategy.mirror(module, torch.optim.SGD(module.parameters(), lr=0.1))
+
+    def step(batch):
+        x, y = batch
+        if mirrored.get_replica_context().replica_id_in_sync_group != 1:
+            loss = mirrored.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"))
+            loss.backward()
+        optimizer.step()
+
+    (batch,) = strategy.experimental_distribute_dataset(make_batches()[:1])
+    with pytest.raises(mirrored.SyncMismatchError, match=r"replica\(s\) \[1\] without a loss"):
+        strategy.run(step, (batch,))
+    for replica in model.replicas:
+        for name, value in replica.state_dict().items():
+            assert torch.equal(value, before[name]), name
+
+
+def test_lazy_modules_are_refused_with_what_to_do(strategy):
+    module = nn.Sequential(nn.LazyLinear(8), nn.ReLU(), nn.LazyLinear(2))
+    with pytest.raises(ValueError, match=r"0\.weight, 0\.bias, 2\.weight, 2\.bias .*model\(x\)"):
+        strategy.mirror(module)
+    module(torch.zeros(1, 5))
+    model = strategy.mirror(module)
+    assert model.replicas[1][0].weight.shape == (8, 5)

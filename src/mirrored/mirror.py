@@ -18,7 +18,8 @@ A run that fails midway resyncs every replica from replica 0, so they never dive
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,7 @@ from mirrored.bucketing import PackedTensors
 from mirrored.context import ReplicaContext, current_replica_context
 from mirrored.cross_device_ops import HierarchicalCopyAllReduce
 from mirrored.gradient_reducer import OverlappedGradientReducer
+from mirrored.rendezvous import SyncMismatchError
 from mirrored.sharded_update import (
     PER_PARAMETER_OPTIMIZERS,
     ShardedUpdate,
@@ -108,10 +110,27 @@ class MirroredModule:
     def __init__(self, strategy: Strategy, replicas: Sequence[nn.Module]) -> None:
         object.__setattr__(self, "_strategy", strategy)
         object.__setattr__(self, "replicas", tuple(replicas))
+        object.__setattr__(self, "_optimizers", weakref.WeakSet())
+        object.__setattr__(self, "released", False)
 
     def _current(self) -> nn.Module:
         replica = _replica_context_of(self._strategy)
+        if self.released and replica is not None:
+            raise RuntimeError(
+                "this mirrored module was released (its module was mirrored again since); "
+                "train through the new mirrored module"
+            )
         return self.replicas[0 if replica is None else replica.local_replica_id]
+
+    def release(self) -> None:
+        """Give up these replicas, so that the module (replica 0) can be mirrored again; this
+        mirrored module and its optimizers can no longer train. ``Model.compile`` releases the
+        model's previous mirror itself."""
+        _MIRRORED_BY.release(self)
+        object.__setattr__(self, "released", True)
+        for optimizer in list(self._optimizers):
+            optimizer.released = True
+        self._strategy.untrack_replicated(self)
 
     def _in_replica(self) -> bool:
         return _replica_context_of(self._strategy) is not None
@@ -131,7 +150,7 @@ class MirroredModule:
         return self._current()(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name in ("_strategy", "replicas"):
+        if name.startswith("__") or name in ("_strategy", "replicas", "_optimizers", "released"):
             raise AttributeError(name)  # copy/pickle probes, or a half-built object
         if name in _FORBIDDEN:
             return lambda *args, **kwargs: _refuse(name)
@@ -227,10 +246,15 @@ class MirroredModule:
                 self.replicas[replica_id].zero_grad(set_to_none=set_to_none)
 
 
-class MirroredOptimizer:
+class MirroredOptimizer(torch.optim.Optimizer):
     """One optimizer per replica; ``step()`` inside a replica reduces the gradients, then
     updates (with the strategy's ``zero_stage``, each replica updates only its share and the
-    shares are gathered: :mod:`mirrored.zero_redundancy`)."""
+    shares are gathered: :mod:`mirrored.zero_redundancy`).
+
+    It is a ``torch.optim.Optimizer`` so that torch's LR schedulers take it: they change the
+    hyperparameters of ``param_groups`` (replica 0's), which every replica takes at its next
+    step. Call ``scheduler.step()`` in the training loop, outside ``strategy.run``: each replica
+    calling it would advance the schedule once per replica."""
 
     def __init__(
         self,
@@ -239,7 +263,9 @@ class MirroredOptimizer:
         params: Sequence[Sequence[nn.Parameter]],
         running_stats: Sequence[Sequence[torch.Tensor]],
     ) -> None:
+        # torch.optim.Optimizer.__init__ is not called: the replicas' optimizers hold the state.
         self._strategy = strategy
+        self.released = False
         self.optimizers = tuple(optimizers)
         self._params = [list(p) for p in params]
         self._running_stats = [list(b) for b in running_stats]
@@ -274,14 +300,44 @@ class MirroredOptimizer:
         return self.optimizers[0]
 
     @property
-    def param_groups(self) -> list[dict[str, Any]]:
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
         """The original optimizer's groups: change hyperparameters here (schedulers do)."""
         return self.optimizers[0].param_groups
 
     @property
-    def defaults(self) -> dict[str, Any]:
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
         """The original optimizer's defaults."""
         return self.optimizers[0].defaults
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        """Replica 0's per-parameter state (every replica holds the same; with ``zero_stage``
+        each holds its share: use ``state_dict()`` for all of it)."""
+        return self.optimizers[0].state
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refused: a group added to one replica's optimizer would update that replica only."""
+        raise TypeError(
+            "add_param_group() on a mirrored optimizer would reach replica 0 only; add the group "
+            "to the optimizer before strategy.mirror()"
+        )
+
+    def register_step_pre_hook(self, hook: Callable[..., Any]) -> _Handles:  # type: ignore[override]
+        """``hook`` on every replica's optimizer (called with that replica's optimizer)."""
+        return _Handles([o.register_step_pre_hook(hook) for o in self.optimizers])
+
+    def register_step_post_hook(self, hook: Callable[..., Any]) -> _Handles:  # type: ignore[override]
+        """``hook`` on every replica's optimizer (called with that replica's optimizer)."""
+        return _Handles([o.register_step_post_hook(hook) for o in self.optimizers])
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        raise TypeError(
+            "a mirrored optimizer stands for N replicas' optimizers and cannot be copied; "
+            "save optimizer.state_dict()"
+        )
+
+    def __reduce__(self) -> Any:
+        raise TypeError("a mirrored optimizer cannot be pickled; save optimizer.state_dict()")
 
     def __repr__(self) -> str:
         return f"MirroredOptimizer(replicas={len(self.optimizers)}, optimizer={self.optimizer!r})"
@@ -330,6 +386,11 @@ class MirroredOptimizer:
                 "optimizer.step() of a mirrored optimizer must be called inside strategy.run(), "
                 "where the gradients of all replicas can be all-reduced"
             )
+        if self.released:
+            raise RuntimeError(
+                "this mirrored optimizer's module was released (mirrored again since); step the "
+                "optimizer mirrored with the new mirrored module"
+            )
         with self._without_torch_function():
             return self._step(replica)
 
@@ -364,21 +425,37 @@ class MirroredOptimizer:
                 if param.grad is not None:
                     param.grad.mul_(factor)
 
-    def _hyperparameters(self, replica_id: int) -> list[dict[str, Any]] | None:
-        """Replica 0's hyperparameters as of this step (an LR schedule, a warm-up set inside
-        the replica function), snapshotted by replica 0 so that no replica reads its groups
-        while it changes them; the other replicas post None."""
-        if replica_id:
-            return None
-        return [hyperparameters(g) for g in self.param_groups]
+    def _open_step(self, replica: ReplicaContext, payload: Any = None) -> list[Any]:
+        """The update's first sync point among this process's replicas: each posts ``payload``
+        and whether it ran a backward pass since its last update; replica 0 posts its
+        hyperparameters as of this step (an LR schedule, a warm-up set inside the replica
+        function), snapshotted so that no replica reads its groups while it changes them, and
+        every replica takes them. Returns every replica's ``payload``.
 
-    def _take_hyperparameters(self, replica_id: int, snapshot: Any) -> None:
-        """Give replica ``replica_id``'s optimizer replica 0's ``snapshot``."""
+        A replica that steps without a backward while others ran one would drop its shard's
+        gradient: ``SyncMismatchError`` on every replica, before anything is updated."""
+        replica_id = replica.local_replica_id
+        ran_backward = replica.backward_passes > 0
+        replica.backward_passes = 0
+        snapshot = None if replica_id else [hyperparameters(g) for g in self.param_groups]
+        posted = replica.exchange.all("optimizer.step", (ran_backward, snapshot, payload))
+        ran = [flag for flag, _, _ in posted]
+        if any(ran) and not all(ran):
+            first = replica.replica_id_in_sync_group - replica_id
+            idle = [first + i for i, flag in enumerate(ran) if not flag]
+            busy = [first + i for i, flag in enumerate(ran) if flag]
+            raise SyncMismatchError(
+                f"optimizer.step() on replica(s) {idle} without a loss.backward() since the last "
+                f"update, while replica(s) {busy} ran one: their shards' gradients would be "
+                "dropped. Run the same forward and backward on every replica (a replica with "
+                "an empty shard too: the scaled loss of no examples is 0)"
+            )
         if replica_id:
             for group, values in zip(
-                self.optimizers[replica_id].param_groups, snapshot, strict=True
+                self.optimizers[replica_id].param_groups, posted[0][1], strict=True
             ):
                 group.update(values)
+        return [p for _, _, p in posted]
 
     def _local_update(self, replica: ReplicaContext, average: bool) -> Any:
         """Local SGD: this replica's own update with its own shard's gradient, then, every
@@ -387,8 +464,7 @@ class MirroredOptimizer:
         window_scale = 1.0 if self._window is None else self._window.scale
         self._scale_gradients(replica_id, replica.num_replicas_in_sync * window_scale)
         if len(self.optimizers) > 1:
-            posted = replica.exchange.all("optimizer.step", self._hyperparameters(replica_id))
-            self._take_hyperparameters(replica_id, posted[0])
+            self._open_step(replica)
         result = self.optimizers[replica_id].step()
         if average:
             tensors = [p.data for p in self._params[replica_id]] + self._running_stats[replica_id]
@@ -406,15 +482,10 @@ class MirroredOptimizer:
         if self._window is not None:  # the window's mean, before any replica sums it
             self._scale_gradients(replica_id, self._window.scale)
         if replica.num_replicas_in_sync > 1:
-            # Replica 0's hyperparameters travel with the gradients: one sync point opens the
+            # The gradients travel with replica 0's hyperparameters: one sync point opens the
             # step.
             _check_dense(self._params[replica_id])
-            grads = [p.grad for p in self._params[replica_id]]
-            posted = replica.exchange.all(
-                "optimizer.step", (self._hyperparameters(replica_id), grads)
-            )
-            self._take_hyperparameters(replica_id, posted[0][0])
-            everyone = [peer_grads for _, peer_grads in posted]
+            everyone = self._open_step(replica, [p.grad for p in self._params[replica_id]])
             if self._zero is not None and self._zero.stage == 2:
                 self._zero.reduce_gradients(replica, everyone)
             elif self._sharded is not None:
@@ -438,8 +509,7 @@ class MirroredOptimizer:
         _check_dense(self._params[replica_id])
         reducer.finish_pass(replica_id)  # a step with no backward: reduce what is there
         if len(self.optimizers) > 1:
-            posted = replica.exchange.all("optimizer.step", self._hyperparameters(replica_id))
-            self._take_hyperparameters(replica_id, posted[0])
+            self._open_step(replica)
         if self._running_stats[replica_id]:
             self._average_running_stats(replica)
         result = optimizer.step() if self._zero is None else self._zero.step(replica)
@@ -584,6 +654,68 @@ def check_optimizer_params(module: nn.Module, optimizer: torch.optim.Optimizer) 
                 )
 
 
+class _MirrorRegistry:
+    """The live mirrored module each module (and each of its submodules) is replica 0 of. A
+    module mirrored twice would have two sets of replicas, and training through one would leave
+    the other's behind: the second ``mirror()`` is refused until the first is released."""
+
+    def __init__(self) -> None:
+        self._owners: weakref.WeakKeyDictionary[nn.Module, weakref.ref[MirroredModule]] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def owner_of(self, module: nn.Module) -> MirroredModule | None:
+        """The live mirrored module that ``module`` or one of its submodules belongs to."""
+        for sub in module.modules():
+            ref = self._owners.get(sub)
+            owner = None if ref is None else ref()
+            if owner is not None and not owner.released and not owner._strategy.closed:
+                return owner
+        return None
+
+    def register(self, mirrored: MirroredModule) -> None:
+        for sub in mirrored.replicas[0].modules():
+            self._owners[sub] = weakref.ref(mirrored)
+
+    def release(self, mirrored: MirroredModule) -> None:
+        for sub in mirrored.replicas[0].modules():
+            ref = self._owners.get(sub)
+            if ref is not None and ref() is mirrored:
+                del self._owners[sub]
+
+
+_MIRRORED_BY = _MirrorRegistry()
+
+
+def _check_mirrorable(strategy: Strategy, module: nn.Module, optimizer: Any) -> None:
+    if isinstance(module, MirroredModule):
+        raise TypeError("module is already mirrored; pass the original nn.Module")
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module={type(module).__name__}: expected a torch.nn.Module")
+    if isinstance(optimizer, MirroredOptimizer):
+        raise TypeError("optimizer is already mirrored; pass the original torch optimizer")
+    owner = _MIRRORED_BY.owner_of(module)
+    if owner is not None:
+        raise ValueError(
+            f"this module (or one of its submodules) is already mirrored by {owner._strategy!r}, "
+            "and training through a second mirror would leave the first one's replicas behind; "
+            "train through the first mirrored module, or call its release() (or close its "
+            "strategy) before mirroring again"
+        )
+    lazy = [
+        name
+        for name, tensor in [*module.named_parameters(), *module.named_buffers()]
+        if nn.parameter.is_lazy(tensor)
+    ]
+    if lazy:
+        raise ValueError(
+            f"the module's {', '.join(lazy[:4])}{' ...' if len(lazy) > 4 else ''} are not "
+            "initialised yet (a lazy module such as nn.LazyLinear); run the module once on a "
+            "batch (model(x)) so that torch materialises them, then strategy.mirror() it "
+            "(mirrored.Model does this itself on the first batch)"
+        )
+
+
 def mirror_module(
     strategy: Strategy,
     module: nn.Module,
@@ -592,10 +724,7 @@ def mirror_module(
     sync_batch_norm: bool,
 ) -> Any:
     """Build the replicas of ``module`` (and ``optimizer``) on ``strategy``'s devices."""
-    if isinstance(module, MirroredModule):
-        raise TypeError("module is already mirrored; pass the original nn.Module")
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"module={type(module).__name__}: expected a torch.nn.Module")
+    _check_mirrorable(strategy, module, optimizer)
     params = list(module.parameters())
     if optimizer is not None:
         check_optimizer_params(module, optimizer)
@@ -606,6 +735,7 @@ def mirror_module(
     replicas = [first] + [copy.deepcopy(first).to(d) for d in devices[1:]]
     mirrored = MirroredModule(strategy, replicas)
     strategy.track_replicated(mirrored)
+    _MIRRORED_BY.register(mirrored)
     if optimizer is None:
         return mirrored
     replica_params = [list(r.parameters()) for r in replicas]
@@ -616,4 +746,5 @@ def mirror_module(
     running = [running_stat_buffers(r) for r in replicas]
     mirrored_optimizer = MirroredOptimizer(strategy, optimizers, replica_params, running)
     strategy.track_replicated(mirrored_optimizer)
+    mirrored._optimizers.add(mirrored_optimizer)
     return mirrored, mirrored_optimizer

@@ -41,8 +41,9 @@ class MirroredStrategy(Strategy):
     Args:
         devices: device names ("cpu:0", "/gpu:1", torch.device...) or None for all local GPUs
             (or all logical CPU devices when there is no GPU).
-        cross_device_ops: the all-reduce algorithm; by default NcclAllReduce across distinct
-            GPUs and HierarchicalCopyAllReduce otherwise.
+        cross_device_ops: the all-reduce algorithm (an instance, or a class to build with its
+            defaults); by default NcclAllReduce across distinct GPUs and
+            HierarchicalCopyAllReduce otherwise.
         timeout_seconds: how long replicas wait for each other at a sync point before failing
             with an error naming the missing replica (None: forever).
         gradient_accumulation_steps: k > 1 makes every ``optimizer.step()`` of a mirrored
@@ -64,7 +65,7 @@ class MirroredStrategy(Strategy):
     def __init__(
         self,
         devices: Sequence[DeviceSpec | LogicalDevice] | None = None,
-        cross_device_ops: CrossDeviceOps | None = None,
+        cross_device_ops: CrossDeviceOps | type[CrossDeviceOps] | None = None,
         *,
         timeout_seconds: float | None = 1800.0,
         gradient_accumulation_steps: int = 1,
@@ -93,6 +94,8 @@ class MirroredStrategy(Strategy):
                 f"devices={devices!r}: expected a list of devices, such as [{str(devices)!r}]"
             )
         logical = config.resolve_devices(devices) if devices is not None else default_devices()
+        if isinstance(cross_device_ops, type) and issubclass(cross_device_ops, CrossDeviceOps):
+            cross_device_ops = cross_device_ops()  # the class, as the articles write it
         if cross_device_ops is not None and not isinstance(cross_device_ops, CrossDeviceOps):
             raise TypeError(
                 f"cross_device_ops={cross_device_ops!r}: expected a mirrored.CrossDeviceOps "
@@ -163,6 +166,10 @@ class MirroredStrategy(Strategy):
 
     def _usable(self) -> bool:
         return self._workers.broken is None
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
 
     def close(self) -> None:
         """Stop the worker threads; the strategy cannot run afterwards."""

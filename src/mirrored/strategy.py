@@ -204,6 +204,10 @@ class Strategy:
         on some replicas after others had updated cannot leave them diverged."""
         self._replicated[replicated] = None
 
+    def untrack_replicated(self, replicated: Replicated) -> None:
+        """Stop resyncing ``replicated`` (a released mirror)."""
+        self._replicated.pop(replicated, None)
+
     def _resync_replicated(self, error: BaseException) -> None:
         """After a failed run; a failure to resync is noted on ``error``, never replaces it.
         Newest first: a mirrored optimizer before the module it was mirrored with, so that with
@@ -497,6 +501,11 @@ class Strategy:
         return any(window.holding(local_replica_id) for window in list(self._windows))
 
     # -- lifetime ---------------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` was called (the strategy cannot run any more)."""
+        return False
+
     def close(self) -> None:
         """Release threads and other resources; idempotent."""
 

@@ -214,6 +214,8 @@ class Model:
                 metric.name = f"weighted_{metric.name}"
         torch_optimizer, schedule = self._build_optimizer(optimizer)
         self._check_lr_scheduler(lr_scheduler, torch_optimizer, schedule)
+        if isinstance(self._replicas, MirroredModule):
+            self._replicas.release()  # compiled again: the module is mirrored anew
         replicas, mirrored_optimizer = self.strategy.mirror(
             self.module, torch_optimizer, sync_batch_norm=sync_batch_norm
         )
