@@ -50,6 +50,23 @@ def test_distributed_dataset_can_be_iterated_once_per_epoch():
             assert sizes == [[2, 2], [2, 1]]
 
 
+def test_len_of_a_distributed_batch_is_the_global_batch_size():
+    """pytorch/examples' progress line counts examples with batch_idx * len(data)."""
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.zeros(10, 3), torch.zeros(10)), batch_size=4
+    )
+    with mirrored.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"]) as strategy:
+        dataset = strategy.experimental_distribute_dataset(loader)
+        assert len(dataset) == len(loader) == 3
+        lines = []
+        for batch_idx, (data, target) in enumerate(dataset):
+            lines.append(f"[{batch_idx * len(data)}/{len(loader.dataset)}] {len(target)}")
+        assert [len(part) for part in data.values] == [1, 1, 0]  # the shards keep their own
+    assert lines == ["[0/10] 4", "[4/10] 4", "[4/10] 2"]
+    with pytest.raises(TypeError, match="no len"):
+        len(strategy.experimental_distribute_dataset(iter([torch.zeros(2)])))
+
+
 def test_datasets_from_function_take_one_batch_per_replica():
     with mirrored.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"]) as strategy:
         contexts = []

@@ -98,13 +98,19 @@ class ValueContext:
 
 
 class PerReplicaShards(PerReplica):
-    """The shards of one tensor of a global batch, with the global batch size."""
+    """The shards of one tensor of a global batch, with the global batch size.
+
+    Its ``len()`` is the global batch size, as the batch's is in a plain loop, so that progress
+    lines such as pytorch/examples' ``batch_idx * len(data)`` count the same examples."""
 
     __slots__ = ("global_batch_size",)
 
     def __init__(self, values: Sequence[Any], global_batch_size: int) -> None:
         super().__init__(values)
         self.global_batch_size = global_batch_size
+
+    def __len__(self) -> int:
+        return self.global_batch_size
 
 
 def global_batch_size_of(structure: Any) -> int | None:
@@ -214,13 +220,22 @@ def stack_replica_batches(
 
 
 class DistributedDataset:
-    """An iterable of distributed batches; iterate it once per epoch like the dataset it wraps."""
+    """An iterable of distributed batches; iterate it once per epoch like the dataset it wraps.
+    Its ``len()`` is the number of steps when the dataset it wraps has one."""
 
-    def __init__(self, make_batches: Callable[[], Iterator[Any]]) -> None:
+    def __init__(
+        self, make_batches: Callable[[], Iterator[Any]], length: Callable[[], int] | None = None
+    ) -> None:
         self._make_batches = make_batches
+        self._length = length
 
     def __iter__(self) -> Iterator[Any]:
         return self._make_batches()
+
+    def __len__(self) -> int:
+        if self._length is None:
+            raise TypeError("this distributed dataset has no len(): its input has none")
+        return self._length()
 
 
 class StepAgreement(Protocol):
@@ -276,7 +291,7 @@ def distribute_global_batches(
         if agreement is not None:
             agreement.end()
 
-    return DistributedDataset(batches)
+    return DistributedDataset(batches, getattr(dataset, "__len__", None))
 
 
 def distribute_replica_batches(
@@ -443,4 +458,4 @@ def distribute_loader_parts(
                 agreement.begin(0)
             agreement.end()
 
-    return DistributedDataset(batches)
+    return DistributedDataset(batches, loader.__len__)  # one part of every global batch
