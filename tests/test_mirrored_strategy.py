@@ -126,10 +126,21 @@ def test_constructor_errors_name_the_problem():
         mirrored.MirroredStrategy(["cpu:0", "cpu:1"], mirrored.NcclAllReduce())
     with pytest.raises(TypeError, match="cross_device_ops='nccl'"):
         mirrored.MirroredStrategy(["cpu:0"], "nccl")
+    with pytest.raises(TypeError, match=r"cross_device_ops=<class 'torch\.nn"):
+        mirrored.MirroredStrategy(["cpu:0"], torch.nn.Linear)
     with pytest.raises(ValueError, match="timeout_seconds=0"):
         mirrored.MirroredStrategy(["cpu:0"], timeout_seconds=0)
     with pytest.raises(TypeError, match=r"devices='cpu:0': expected a list of devices"):
         mirrored.MirroredStrategy("cpu:0")
+
+
+@pytest.mark.parametrize("ops", [mirrored.HierarchicalCopyAllReduce, mirrored.ReductionToOneDevice])
+def test_a_cross_device_ops_class_is_taken_with_its_defaults(ops):
+    """The articles write cross_device_ops=tf.distribute.HierarchicalCopyAllReduce (the class)."""
+    with mirrored.MirroredStrategy(["cpu:0", "cpu:1"], cross_device_ops=ops) as strategy:
+        assert type(strategy.cross_device_ops) is ops
+        total = strategy.reduce("sum", strategy.run(lambda: torch.ones(2)), axis=None)
+        assert total.tolist() == [2.0, 2.0]
 
 
 def test_run_argument_errors():
