@@ -11,6 +11,7 @@ import importlib
 from typing import Any
 
 from mirrored import callbacks, checkpoint, config, losses, metrics, optimizers, partitioners
+from mirrored.buffer_sync import set_buffer_aggregation
 from mirrored.cluster_resolver import (
     ClusterResolver,
     TFConfigClusterResolver,
@@ -53,7 +54,7 @@ from mirrored.randomness import activation_checkpoint_contexts
 from mirrored.rendezvous import ReplicaAbortedError, SyncMismatchError, SyncTimeoutError
 from mirrored.strategy import Strategy
 from mirrored.training import Model
-from mirrored.values import PerReplica, ReduceOp
+from mirrored.values import PerReplica, ReduceOp, VariableAggregation
 
 __version__ = "0.1.0"
 
@@ -92,6 +93,7 @@ __all__ = [
     "TFConfigClusterResolver",
     "TorchrunClusterResolver",
     "ValueContext",
+    "VariableAggregation",
     "activation_checkpoint_contexts",
     "balance_by_time",
     "callbacks",
@@ -109,6 +111,7 @@ __all__ = [
     "partitioners",
     "scale_regularization_loss",
     "scale_shard_mean",
+    "set_buffer_aggregation",
 ]
 
 # Built on torch.distributed.rpc, which some builds of torch lack: imported when first used.

@@ -28,6 +28,7 @@ from torch import nn
 
 from mirrored.batch_norm import convert_sync_batch_norm, running_stat_buffers
 from mirrored.bucketing import PackedTensors
+from mirrored.buffer_sync import BufferSync
 from mirrored.context import ReplicaContext, current_replica_context
 from mirrored.cross_device_ops import HierarchicalCopyAllReduce
 from mirrored.gradient_reducer import OverlappedGradientReducer
@@ -39,6 +40,7 @@ from mirrored.sharded_update import (
     load_own_copy,
     state_bytes,
 )
+from mirrored.strategy import SyncsBuffers
 from mirrored.values import ReduceOp
 
 if TYPE_CHECKING:
@@ -83,6 +85,8 @@ class _Handles:
         self.remove()
 
 
+# What a MirroredModule sets on itself (a lookup of these must not reach a replica).
+_OWN_ATTRIBUTES = {"_strategy", "replicas", "_optimizers", "released", "_buffer_sync"}
 # nn.Module methods that would move or retype one replica only.
 _FORBIDDEN = {"to", "cuda", "cpu", "xpu", "half", "float", "double", "bfloat16", "type", "to_empty"}
 # nn.Module methods that must reach every replica (flags, hooks). Structural changes
@@ -96,7 +100,7 @@ _BROADCAST = {
 }
 
 
-class MirroredModule:
+class MirroredModule(SyncsBuffers):
     """One replica of a module per device of a strategy; calls go to the current replica.
 
     Inside ``strategy.run`` attribute access reaches the current replica. Outside, reads reach
@@ -104,7 +108,8 @@ class MirroredModule:
     every replica), changes of flags and hooks reach every replica, and ``apply(fn)`` runs on
     every replica and then copies replica 0's values to the others (so a random init stays
     identical). Moving or retyping one replica (``.to()``, ``.half()``) is an error: mirror the
-    module after moving it.
+    module after moving it. Buffers a replica changes are made the same on every replica after
+    each run (:mod:`mirrored.buffer_sync`).
     """
 
     def __init__(self, strategy: Strategy, replicas: Sequence[nn.Module]) -> None:
@@ -112,6 +117,7 @@ class MirroredModule:
         object.__setattr__(self, "replicas", tuple(replicas))
         object.__setattr__(self, "_optimizers", weakref.WeakSet())
         object.__setattr__(self, "released", False)
+        object.__setattr__(self, "_buffer_sync", BufferSync(replicas))
 
     def _current(self) -> nn.Module:
         replica = _replica_context_of(self._strategy)
@@ -121,6 +127,15 @@ class MirroredModule:
                 "train through the new mirrored module"
             )
         return self.replicas[0 if replica is None else replica.local_replica_id]
+
+    @property
+    def has_buffers(self) -> bool:
+        return not self._buffer_sync.empty
+
+    def sync_buffers(self, replica: ReplicaContext) -> None:
+        """At the end of a run, on every replica: the buffers any replica changed made the
+        same on all (:mod:`mirrored.buffer_sync`)."""
+        self._buffer_sync.sync(replica)
 
     def release(self) -> None:
         """Give up these replicas, so that the module (replica 0) can be mirrored again; this
@@ -150,7 +165,7 @@ class MirroredModule:
         return self._current()(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name in ("_strategy", "replicas", "_optimizers", "released"):
+        if name.startswith("__") or name in _OWN_ATTRIBUTES:
             raise AttributeError(name)  # copy/pickle probes, or a half-built object
         if name in _FORBIDDEN:
             return lambda *args, **kwargs: _refuse(name)

@@ -8,6 +8,7 @@ are split into per-replica shards. Subclasses say only how replica functions are
 
 from __future__ import annotations
 
+import abc
 import functools
 import threading
 import weakref
@@ -44,7 +45,7 @@ if TYPE_CHECKING:
     from mirrored.mirror import MirroredModule, MirroredOptimizer
     from mirrored.worker_group import WorkerGroup
 
-__all__ = ["Strategy", "add_note", "default_strategy", "observe_backward"]
+__all__ = ["Strategy", "SyncsBuffers", "add_note", "default_strategy", "observe_backward"]
 
 OptimizerT = TypeVar("OptimizerT", bound=torch.optim.Optimizer)
 
@@ -53,6 +54,18 @@ class Replicated(Protocol):
     """Something kept identical on every replica (a mirrored module or optimizer)."""
 
     def resync(self) -> None: ...
+
+
+class SyncsBuffers(abc.ABC):
+    """A replicated module whose buffers replicas may change: synced at the end of each run."""
+
+    @property
+    @abc.abstractmethod
+    def has_buffers(self) -> bool: ...
+
+    @abc.abstractmethod
+    def sync_buffers(self, replica: context.ReplicaContext) -> None:
+        """Collective: called on every replica as its part of a run ends."""
 
 
 class Strategy:
@@ -165,6 +178,9 @@ class Strategy:
         kwargs = kwargs or {}
         global_batch_size = global_batch_size_of((tuple(args), kwargs))
         rendezvous = Rendezvous(len(self.devices), self.timeout_seconds)
+        buffers = [
+            r for r in list(self._replicated) if isinstance(r, SyncsBuffers) and r.has_buffers
+        ]
         tasks = [
             functools.partial(
                 self._run_replica,
@@ -174,6 +190,7 @@ class Strategy:
                 select_replica(replica_id, tuple(args)),
                 select_replica(replica_id, kwargs),
                 global_batch_size,
+                buffers if self.num_replicas_in_sync > 1 else [],
             )
             for replica_id in range(len(self.devices))
         ]
@@ -232,6 +249,7 @@ class Strategy:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         global_batch_size: int | None,
+        buffers: Sequence[SyncsBuffers] = (),
     ) -> Any:
         exchange = ReplicaExchange(
             rendezvous, replica_id, self.devices[replica_id].torch_device, self._physical_gpus
@@ -248,7 +266,10 @@ class Strategy:
                         # Made on the caller's stream, used on this replica's: keep its memory
                         # from being reused before this replica is done with it.
                         leaf.record_stream(torch.cuda.current_stream())
-                return fn(*args, **kwargs)
+                result = fn(*args, **kwargs)
+                for module in buffers:
+                    module.sync_buffers(replica)
+                return result
         except BaseException as error:
             rendezvous.abort(error)
             raise

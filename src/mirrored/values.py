@@ -15,7 +15,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["PerReplica", "ReduceOp", "fingerprint", "flatten", "map_structure"]
+__all__ = [
+    "PerReplica",
+    "ReduceOp",
+    "VariableAggregation",
+    "fingerprint",
+    "flatten",
+    "map_structure",
+]
 
 
 class ReduceOp(enum.Enum):
@@ -32,6 +39,26 @@ class ReduceOp(enum.Enum):
         if isinstance(op, str) and op.lower() in ("sum", "mean"):
             return cls(op.lower())
         raise ValueError(f"reduce_op={op!r}: expected ReduceOp.SUM, ReduceOp.MEAN, 'sum' or 'mean'")
+
+
+class VariableAggregation(enum.Enum):
+    """How the replicas' differing copies of a value are combined (TensorFlow's
+    ``tf.VariableAggregation``): NONE means they may not differ."""
+
+    NONE = "none"
+    SUM = "sum"
+    MEAN = "mean"
+    ONLY_FIRST_REPLICA = "only_first_replica"
+
+    @classmethod
+    def of(cls, value: VariableAggregation | str) -> VariableAggregation:
+        """Accept a VariableAggregation or its name (any case)."""
+        if isinstance(value, VariableAggregation):
+            return value
+        if isinstance(value, str) and value.lower() in cls._value2member_map_:
+            return cls(value.lower())
+        names = ", ".join(repr(a.value) for a in cls)
+        raise ValueError(f"aggregation={value!r}: expected a VariableAggregation or one of {names}")
 
 
 class PerReplica:

@@ -1,0 +1,158 @@
+"""Buffers changed inside replicas: one rule keeps every replica's copy the same after a run."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mirrored
+from tests.reference_loops import assert_replicas_identical, make_batches
+
+
+class WithEMA(nn.Module):
+    """A classifier that keeps an exponential moving average of its inputs' mean (floating), a
+    count of its forward calls (integer, the same on every replica) and a count of the examples
+    it saw (integer, different on each shard)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(2)
+        self.linear = nn.Linear(12, 5)
+        self.register_buffer("ema", torch.zeros(12))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("examples", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            with torch.no_grad():
+                self.ema.mul_(0.9).add_(0.1 * x.mean(dim=0))
+                self.calls += 1
+                self.examples += x.shape[0]
+        return self.linear(x)
+
+
+def _train(strategy, model, optimizer, batches):
+    def step(batch):
+        x, y = batch
+        mirrored.compute_average_loss(F.cross_entropy(model(x), y, reduction="none")).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    for batch in strategy.experimental_distribute_dataset(batches):
+        strategy.run(step, (batch,))
+
+
+def _plain(batches) -> WithEMA:
+    module = WithEMA()
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    for x, y in batches:
+        F.cross_entropy(module(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return module
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+def test_a_moving_average_is_averaged_and_counters_follow_their_aggregation(devices):
+    batches = make_batches(num_examples=16 * 6)  # even shards: the EMA's mean is one device's
+    expected = _plain(batches)
+    module = WithEMA()
+    mirrored.set_buffer_aggregation(module, {"examples": "sum"})
+    with mirrored.MirroredStrategy([f"cpu:{i}" for i in range(devices)]) as strategy:
+        model, optimizer = strategy.mirror(module, torch.optim.SGD(module.parameters(), lr=0.1))
+        _train(strategy, model, optimizer, batches)
+    assert_replicas_identical(model)
+    state = model.state_dict()
+    torch.testing.assert_close(state["ema"], expected.ema, rtol=1e-5, atol=1e-6)
+    assert state["calls"].item() == expected.calls.item() == 6  # the same on every replica
+    assert state["examples"].item() == expected.examples.item() == 96  # the shards' counts added
+    torch.testing.assert_close(state["linear.weight"], expected.linear.weight)
+
+
+def test_an_integer_buffer_that_differs_is_an_error_naming_it_and_nothing_diverges():
+    module = WithEMA()
+    batches = make_batches(num_examples=11, batch_size=11)  # shards of 6 and 5
+    with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
+        model, optimizer = strategy.mirror(module, torch.optim.SGD(module.parameters(), lr=0.1))
+        with pytest.raises(ValueError, match=r"buffer 'examples' \(torch\.int64\) changed diff"):
+            _train(strategy, model, optimizer, batches)
+        assert_replicas_identical(model)  # the failed run resynced every replica from replica 0
+
+
+def test_only_first_replica_and_reassigned_buffers():
+    class Last(nn.Module):
+        """Keeps the last input it saw, by reassigning its buffer (not in place)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("last", torch.zeros(2))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.last = x[-1].detach().clone()
+            return x
+
+    module = Last()
+    with mirrored.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"]) as strategy:
+        model = strategy.mirror(module)
+        mirrored.set_buffer_aggregation(model, {"last": mirrored.VariableAggregation.MEAN})
+        (batch,) = strategy.experimental_distribute_dataset([torch.arange(12.0).reshape(6, 2)])
+        strategy.run(model, (batch,))
+        assert model.last.tolist() == [(2 + 6 + 10) / 3, (3 + 7 + 11) / 3]
+        assert_replicas_identical(model)
+        mirrored.set_buffer_aggregation(model, {"last": "only_first_replica"})
+        strategy.run(model, (batch,))
+        assert model.last.tolist() == [2.0, 3.0]
+        assert_replicas_identical(model)
+
+
+def test_batch_norm_statistics_of_a_forward_without_optimizer_are_averaged():
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+    halves = [copy.deepcopy(module) for _ in range(2)]
+    x = torch.randn(8, 4)
+    for half, part in zip(halves, x.split(4), strict=True):
+        half(part)
+    with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
+        model = strategy.mirror(module)
+        (batch,) = strategy.experimental_distribute_dataset([x])
+        strategy.run(model, (batch,))
+    assert_replicas_identical(model)
+    expected = (halves[0][1].running_var + halves[1][1].running_var) / 2
+    torch.testing.assert_close(model[1].running_var, expected)
+    assert model[1].num_batches_tracked.item() == 1
+
+
+def test_buffers_every_replica_changes_alike_stay_bit_exact():
+    class Decay(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("rate", torch.tensor(0.1))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.rate.mul_(0.7)  # data-independent: the same on every replica
+            return x * self.rate
+
+    expected = Decay()
+    for _ in range(5):
+        expected(torch.ones(3))
+    with mirrored.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"]) as strategy:
+        model = strategy.mirror(Decay())
+        (batch,) = strategy.experimental_distribute_dataset([torch.ones(3)])
+        for _ in range(5):
+            strategy.run(model, (batch,))
+    assert torch.equal(model.rate, expected.rate)
+    assert_replicas_identical(model)
+
+
+def test_aggregation_errors_name_the_problem():
+    module = WithEMA()
+    with pytest.raises(ValueError, match=r"'missing' is not a buffer.*\['calls', 'ema', 'ex"):
+        mirrored.set_buffer_aggregation(module, {"missing": "mean"})
+    with pytest.raises(ValueError, match=r"aggregation='average': expected .*'only_first_replica'"):
+        mirrored.set_buffer_aggregation(module, {"ema": "average"})
+    with pytest.raises(TypeError, match=r"expected a torch\.nn\.Module"):
+        mirrored.set_buffer_aggregation("model", {"ema": "mean"})
