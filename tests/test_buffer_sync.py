@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mirrored
-from tests.reference_loops import assert_replicas_identical, make_batches
+from tests.reference_loops import assert_replicas_identical, make_batches, replica_step
 
 
 class WithEMA(nn.Module):
@@ -36,14 +36,8 @@ class WithEMA(nn.Module):
 
 
 def _train(strategy, model, optimizer, batches):
-    def step(batch):
-        x, y = batch
-        mirrored.compute_average_loss(F.cross_entropy(model(x), y, reduction="none")).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-
     for batch in strategy.experimental_distribute_dataset(batches):
-        strategy.run(step, (batch,))
+        strategy.run(replica_step, (batch, model, optimizer))
 
 
 def _plain(batches) -> WithEMA:
