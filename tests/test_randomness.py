@@ -444,6 +444,36 @@ def test_checkpoints_in_one_replica_leave_another_s_swapped_draws_alone():
     assert all(torch.equal(run(), first) for _ in range(3))
 
 
+@pytest.mark.parametrize("pass_", ["backward", "grad"])
+def test_random_ops_in_backward_draw_from_the_replica_s_stream(pass_):
+    """A hook drawing random numbers in backward: different across replicas, reproducible from
+    the seed, and the caller's generator takes only the step's one draw."""
+
+    def step():
+        x = torch.ones(8, requires_grad=True)
+        x.register_hook(lambda grad: grad * torch.rand(8))
+        loss = mirrored.compute_average_loss(x * 2)
+        if pass_ == "grad":
+            return torch.autograd.grad(loss, x)[0]
+        loss.backward()
+        return x.grad
+
+    def run():
+        torch.manual_seed(5)
+        with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
+            grads = strategy.experimental_local_results(strategy.run(step))
+        return grads, torch.get_rng_state()
+
+    torch.manual_seed(5)
+    torch.empty((), dtype=torch.int64).random_()  # the step's seed
+    after_one_draw = torch.get_rng_state()
+    grads, after = run()
+    again, _ = run()
+    assert not torch.equal(grads[0], grads[1])
+    assert all(torch.equal(a, b) for a, b in zip(grads, again, strict=True))
+    assert torch.equal(after, after_one_draw)
+
+
 def test_draws_from_the_caller_s_generator_during_a_step_are_kept():
     """A prefetching input's augmentations draw from the global generator while replicas run:
     the next step does not draw the same numbers again."""

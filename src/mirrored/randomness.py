@@ -27,7 +27,8 @@ Activation checkpointing (``torch.utils.checkpoint``) restores only torch's glob
 before it recomputes a forward, so inside a replica it needs ``context_fn=
 mirrored.activation_checkpoint_contexts`` (with ``use_reentrant=False, preserve_rng_state=False``)
 to recompute with the forward's dropout masks; without it the gradients would be those of other
-masks.
+masks. Backward passes a replica starts run with its mode on, so random ops in them draw from
+its streams too.
 
 Every random op used to run under that lock: a training transformer's whole attention forward
 did, and two CPU replicas of BERT-tiny waited 33-37 ms of a 130 ms forward for each other
@@ -171,6 +172,7 @@ _ROUTES: dict[Callable[..., Any], str] = {
     **dict.fromkeys(_AROUND_RANDOM_OPS, "_around"),
     torch.Tensor.backward: "_backward",
     torch.autograd.backward: "_backward",
+    torch.autograd.grad: "_autograd_pass",
 }
 _DISPATCH_CHECKS = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")
 
@@ -468,6 +470,7 @@ class ReplicaRandomness(TorchFunctionMode):
         self._step_seed = StepSeed()
         self._generators: dict[torch.device, torch.Generator] = {}
         self._running_bodies: set[Callable[..., Any]] = set()
+        self._autograd_passes = 0  # running now, started from this replica
 
     def start_step(self, step_seed: StepSeed) -> None:
         """Before a step: its streams will derive from ``step_seed`` when first needed."""
@@ -623,11 +626,27 @@ class ReplicaRandomness(TorchFunctionMode):
 
     def _backward(self, func: Callable[..., Any], args: _Args, kwargs: _Kwargs) -> Any:
         """``loss.backward()`` / ``torch.autograd.backward``: ``on_backward`` sees the roots
-        first, so that a loss it refuses changes no gradient."""
-        if self.on_backward is not None:
+        first, so that a loss it refuses changes no gradient. A backward that a running pass
+        starts (a reentrant checkpoint's) is part of that pass."""
+        if self.on_backward is not None and not self._autograd_passes:
             roots = _arg(args, kwargs, 0, "tensors", ())
             self.on_backward((roots,) if isinstance(roots, torch.Tensor) else tuple(roots))
-        return func(*args, **kwargs)
+        return self._autograd_pass(func, args, kwargs)
+
+    def _autograd_pass(self, func: Callable[..., Any], args: _Args, kwargs: _Kwargs) -> Any:
+        """A backward pass or ``torch.autograd.grad`` with this mode on, so that random ops in it
+        (a checkpoint's recomputation, a hook's) draw from this replica's streams: on this
+        thread, and on autograd's device threads, which take the torch-function modes a pass
+        began with. It runs the function's body: its own check would hand it back here."""
+        body = _body(func)
+        if body is None:
+            return func(*args, **kwargs)
+        self._autograd_passes += 1
+        try:
+            with self:
+                return body(*args, **kwargs)
+        finally:
+            self._autograd_passes -= 1
 
     def _swapped(self, func: Callable[..., Any], args: _Args, kwargs: _Kwargs) -> Any:
         """``func`` with this replica's states in the global CPU generator and, for an op on a
