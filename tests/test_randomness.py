@@ -404,20 +404,6 @@ def test_every_backward_through_a_checkpoint_recomputes_the_forward_s_masks(wher
         assert 0 < (y == 0).sum() < 64
 
 
-def test_a_checkpoint_inside_a_replica_refuses_preserve_rng_state():
-    def step():
-        x = torch.ones(8, requires_grad=True)
-        return checkpoint(
-            F.relu, x, use_reentrant=False, context_fn=mirrored.activation_checkpoint_contexts
-        )
-
-    with (
-        mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy,
-        pytest.raises(ValueError, match="needs preserve_rng_state=False"),
-    ):
-        strategy.run(step)
-
-
 def test_checkpoints_in_one_replica_leave_another_s_swapped_draws_alone():
     """Replica 0 recomputes checkpoints while replica 1 swaps its stream into the global
     generator (alpha dropout): replica 1 draws the same numbers in every run."""

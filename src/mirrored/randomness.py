@@ -23,12 +23,11 @@ A thread-local ``TorchFunctionMode`` on each replica's thread routes random ops 
   swaps the replica's state into the device's global generator under a process-wide lock; on a
   GPU the lock spans kernel launches, not kernels.
 
-Activation checkpointing (``torch.utils.checkpoint``) restores only torch's global generators
-before it recomputes a forward, so inside a replica it needs ``context_fn=
-mirrored.activation_checkpoint_contexts`` (with ``use_reentrant=False, preserve_rng_state=False``)
-to recompute with the forward's dropout masks; without it the gradients would be those of other
-masks. Backward passes a replica starts run with its mode on, so random ops in them draw from
-its streams too.
+Backward passes a replica starts run with its mode on, so random ops in them draw from its
+streams too. Activation checkpointing (``torch.utils.checkpoint``) saves and restores only
+torch's global generators around a recomputation; inside a replica it replays the replica's
+streams instead, with torch's and Hugging Face's default arguments (:mod:`mirrored.torch_compat`
+patches the two places torch saves and restores them).
 
 Every random op used to run under that lock: a training transformer's whole attention forward
 did, and two CPU replicas of BERT-tiny waited 33-37 ms of a 130 ms forward for each other
@@ -41,7 +40,6 @@ import dataclasses
 import inspect
 import math
 import numbers
-import sys
 import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -53,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from mirrored import rng_state
+from mirrored import rng_state, torch_compat
 
 __all__ = ["ReplicaRandomness", "StepSeed", "activation_checkpoint_contexts"]
 
@@ -324,39 +322,32 @@ def activation_checkpoint_contexts() -> tuple[
     AbstractContextManager[None], AbstractContextManager[None]
 ]:
     """``context_fn`` for ``torch.utils.checkpoint.checkpoint(fn, ..., use_reentrant=False,
-    preserve_rng_state=False, context_fn=mirrored.activation_checkpoint_contexts)`` inside a
-    replica's function: every recomputation in backward draws the random numbers the forward
-    drew (its dropout masks), so the gradients are those of the forward.
+    context_fn=mirrored.activation_checkpoint_contexts)``: every recomputation in backward draws
+    the random numbers the forward drew (its dropout masks), so the gradients are those of the
+    forward, with ``preserve_rng_state`` on or off.
 
-    torch's ``preserve_rng_state`` does this for its global generators only, and a strategy's
-    replicas draw from streams of their own. Inside a replica it must be off: it saves and sets
-    the process-wide generators from several replica threads without the lock the replicas' swaps
-    of those generators take (every dropout on a GPU swaps), so a replica could draw another's
-    numbers; this raises ``ValueError`` when it is on. Checkpoints with ``use_reentrant=True``
-    take no ``context_fn`` and recompute with other masks. This ``context_fn`` does not combine
-    with torch's selective checkpointing (``create_selective_checkpoint_contexts``).
+    Inside a replica it replays the replica's own streams, as torch's ``preserve_rng_state``
+    does there too (:mod:`mirrored.torch_compat`); elsewhere (outside ``strategy.run``, or a
+    ``MirroredStrategy`` of one replica) the states the CPU's and every initialised CUDA
+    device's generators had at the forward, as ``preserve_rng_state`` would. It does not combine
+    with torch's selective checkpointing (``create_selective_checkpoint_contexts``), which replays
+    the replica's streams with ``preserve_rng_state`` alone."""
+    replay = replica_replay()
+    if replay is None:
+        replay = _Replay(rng_state.capture_torch, rng_state.restore_torch, None)
+    return nullcontext(), replay
 
-    Where code draws from torch's own generators (outside ``strategy.run``, or a
-    ``MirroredStrategy`` of one replica) the recomputation draws from the states the CPU's and
-    every initialised CUDA device's generators had at the forward, as ``preserve_rng_state``
-    would: the same options serve a model inside and outside replicas."""
+
+def replica_replay() -> _Replay | None:
+    """The replay of the calling thread's replica from its streams' position now: what a
+    checkpoint beginning its forward recomputes inside; None outside replicas."""
     modes = getattr(_entered, "modes", None)
     if not modes:
-        return nullcontext(), _Replay(rng_state.capture_torch, rng_state.restore_torch, None)
-    # torch calls context_fn from its checkpoint, whose argument this reads (None from another
-    # caller, or a torch that names it otherwise: then nothing is checked).
-    if sys._getframe(1).f_locals.get("preserve_rng_state") is True:
-        raise ValueError(
-            "torch.utils.checkpoint inside a replica with context_fn="
-            "mirrored.activation_checkpoint_contexts needs preserve_rng_state=False: the context "
-            "replays the replica's own random streams, and torch's preserve_rng_state would set "
-            "the process-wide generators from several replica threads at once. Pass "
-            "preserve_rng_state=False (Hugging Face models: in gradient_checkpointing_kwargs)"
-        )
-    # The mode is entered for the recomputation too: backward, where a checkpoint recomputes,
-    # runs without the forward's torch-function modes.
+        return None
     replica = modes[-1]
-    return nullcontext(), _Replay(replica.position, replica.restore, replica)
+    # The mode is entered for the recomputation too: autograd's device threads, where a GPU
+    # backward recomputes, have no _entered of their own.
+    return _Replay(replica.position, replica.restore, replica)
 
 
 class _Replay:
@@ -471,6 +462,7 @@ class ReplicaRandomness(TorchFunctionMode):
         self._generators: dict[torch.device, torch.Generator] = {}
         self._running_bodies: set[Callable[..., Any]] = set()
         self._autograd_passes = 0  # running now, started from this replica
+        torch_compat.route_checkpoint_recomputes(replica_replay)
 
     def start_step(self, step_seed: StepSeed) -> None:
         """Before a step: its streams will derive from ``step_seed`` when first needed."""
