@@ -334,6 +334,53 @@ def test_a_function_is_wrapped_and_must_return_one_loss_per_example():
     assert_close(torch_loss.call(y_true, y_pred), torch.tensor([[0.0], [4.0], [4.0]]))
 
 
+def test_keras_function_forms_give_one_loss_per_example():
+    logits, ids = _logits(2, 5, 4), _ids(2, 5, classes=4)
+    expected = F.cross_entropy(logits.transpose(1, 2), ids, reduction="none")  # [2, 5]
+    sparse = losses.sparse_categorical_crossentropy
+    assert_close(sparse(ids, logits, from_logits=True), expected)
+    assert_close(sparse(ids, logits.softmax(-1)), expected)
+    ignored = sparse(ids, logits, from_logits=True, ignore_class=0)
+    assert_close(ignored, expected.masked_fill(ids == 0, 0.0))
+    one_hot = F.one_hot(ids, 4).float()
+    assert_close(losses.categorical_crossentropy(one_hot, logits, from_logits=True), expected)
+    smoothed = losses.CategoricalCrossentropy(from_logits=True, label_smoothing=0.2)
+    assert_close(
+        losses.categorical_crossentropy(one_hot, logits, from_logits=True, label_smoothing=0.2),
+        smoothed.call(one_hot, logits),
+    )
+    targets, scores = _uniform(6, 3).round(), _logits(6, 3)
+    assert_close(
+        losses.binary_crossentropy(targets, scores, from_logits=True),
+        F.binary_cross_entropy_with_logits(scores, targets, reduction="none").mean(-1),
+    )
+    predictions = _uniform(6, 3)
+    assert losses.mse is losses.mean_squared_error and losses.mae is losses.mean_absolute_error
+    assert_close(losses.mse(targets, predictions), (targets - predictions).square().mean(-1))
+    assert_close(losses.mae(targets, predictions), (targets - predictions).abs().mean(-1))
+
+
+def test_keras_function_forms_check_probabilities_and_refuse_another_axis():
+    logits, ids = _logits(6, 4), _ids(6, classes=4)
+    # The check runs on the first call of each argument combination (one host sync): forget
+    # the calls of earlier tests.
+    losses._LOSS_OBJECTS.clear()
+    with pytest.raises(ValueError, match="from_logits=False"):
+        losses.sparse_categorical_crossentropy(ids, logits)
+    with pytest.raises(ValueError, match=r"axis=1.*movedim\(1, -1\)"):
+        losses.categorical_crossentropy(logits, logits, axis=1)
+    with pytest.raises(TypeError, match=r"ignore_class=\[0\]"):
+        losses.sparse_categorical_crossentropy(ids, logits, ignore_class=[0])
+
+
+def test_a_partial_function_is_named_after_its_function():
+    import functools
+
+    from_logits = functools.partial(losses.sparse_categorical_crossentropy, from_logits=True)
+    assert losses.get(from_logits).name == "sparse_categorical_crossentropy"
+    assert losses.get(losses.mse).name == "mean_squared_error"
+
+
 @pytest.mark.cuda
 def test_on_cuda_calls_after_the_first_never_wait_for_the_device():
     logits, labels = _logits(8, 6, 5).cuda(), _ids(8, 6, classes=5).cuda()

@@ -279,6 +279,26 @@ def test_get_by_name_class_and_instance():
         metrics.get(3)
 
 
+def test_keras_function_forms_give_one_value_per_example_and_log_their_names():
+    logits, ids = _logits(7, 4), _ids(7, classes=4)
+    expected = (logits.argmax(-1) == ids).float()
+    assert_close(metrics.sparse_categorical_accuracy(ids, logits), expected)
+    assert_close(metrics.categorical_accuracy(F.one_hot(ids, 4), logits), expected)
+    targets, scores = _uniform(7).round(), _logits(7)
+    assert_close(
+        metrics.binary_accuracy(targets, scores, threshold=0.0), ((scores > 0) == targets).float()
+    )
+    for function in (
+        metrics.sparse_categorical_accuracy,
+        metrics.categorical_accuracy,
+        metrics.binary_accuracy,
+        losses.sparse_categorical_crossentropy,
+    ):
+        metric = metrics.get(function)
+        assert isinstance(metric, metrics.MeanMetricWrapper)
+        assert metric.name == function.__name__
+
+
 @pytest.mark.cuda
 def test_on_cuda_batch_state_never_waits_for_the_device():
     labels, logits = _ids(13, classes=5).cuda(), _logits(13, 5).cuda()

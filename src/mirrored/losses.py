@@ -11,6 +11,7 @@ needs: it weighs and sums its shard and the division is by the global count.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -32,12 +33,19 @@ __all__ = [
     "MeanAbsoluteError",
     "MeanSquaredError",
     "SparseCategoricalCrossentropy",
+    "binary_crossentropy",
     "broadcast_weight",
+    "categorical_crossentropy",
     "compute_average_loss",
     "compute_weighted_average_loss",
     "get",
+    "mae",
+    "mean_absolute_error",
+    "mean_squared_error",
+    "mse",
     "scale_regularization_loss",
     "scale_shard_mean",
+    "sparse_categorical_crossentropy",
 ]
 
 
@@ -356,6 +364,15 @@ class MeanAbsoluteError(Loss):
         return _absolute_error(*_same_shape_pair(self.name, y_true, y_pred))
 
 
+def function_name(fn: Callable[..., Any]) -> str:
+    """The name a function is logged under: its ``__name__``, a ``functools.partial``'s
+    function's (``partial(sparse_categorical_crossentropy, from_logits=True)`` logs as
+    "sparse_categorical_crossentropy", as Keras logs it)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return str(getattr(fn, "__name__", type(fn).__name__))
+
+
 class LossFunctionWrapper(Loss):
     """A function ``fn(y_true, y_pred)`` returning one loss per example (or per element) as a
     Loss. As Keras does, a trailing dim of 1 on y_true or y_pred is aligned before the call, so
@@ -364,7 +381,7 @@ class LossFunctionWrapper(Loss):
     def __init__(self, fn: Callable[..., Any], name: str | None = None) -> None:
         if not callable(fn):
             raise TypeError(f"fn={fn!r}: expected a function fn(y_true, y_pred)")
-        super().__init__(name if name is not None else getattr(fn, "__name__", type(fn).__name__))
+        super().__init__(name if name is not None else function_name(fn))
         self.fn = fn
 
     def call(self, y_true: Any, y_pred: Any) -> torch.Tensor:
@@ -380,6 +397,87 @@ class LossFunctionWrapper(Loss):
                 "example (reduction='none'), a tensor of shape [batch, ...]"
             )
         return values
+
+
+# -- Keras's function forms ------------------------------------------------------------------------
+# keras.losses.sparse_categorical_crossentropy(y_true, y_pred, ...) and friends: one loss per
+# example (per position for sequences), unreduced, usable as compile(loss=fn) and metrics=[fn].
+
+
+_LOSS_OBJECTS: dict[tuple[Any, ...], Loss] = {}
+
+
+def _loss_object(kind: type[Loss], *arguments: Any) -> Loss:
+    """One loss object per kind and arguments, so that the first-call probability check runs
+    once per combination, not on every call."""
+    key = (kind, *arguments)
+    try:
+        return _LOSS_OBJECTS[key]
+    except (KeyError, TypeError):  # new, or unhashable: the constructor names a bad argument
+        return _LOSS_OBJECTS.setdefault(key, kind(*arguments))
+
+
+def _classes_last(kind: type[Loss], axis: int, *arguments: Any) -> Loss:
+    """The loss object of a Keras function taking ``axis``, which must be the last dim."""
+    loss = _loss_object(kind, *arguments)
+    if axis != -1:
+        raise ValueError(
+            f"{loss.name}(axis={axis!r}): mirrored's losses take the classes on the last dim; "
+            f"move them there (y_pred.movedim({axis}, -1)) and pass axis=-1"
+        )
+    return loss
+
+
+def sparse_categorical_crossentropy(
+    y_true: Any,
+    y_pred: Any,
+    from_logits: bool = False,
+    ignore_class: int | None = None,
+    axis: int = -1,
+) -> torch.Tensor:
+    """Keras's function: the cross-entropy of each example (each position), shape y_pred's
+    without its class dim; 0 where y_true is ``ignore_class``."""
+    kind = SparseCategoricalCrossentropy
+    return _classes_last(kind, axis, bool(from_logits), ignore_class).call(y_true, y_pred)
+
+
+def categorical_crossentropy(
+    y_true: Any,
+    y_pred: Any,
+    from_logits: bool = False,
+    label_smoothing: float = 0.0,
+    axis: int = -1,
+) -> torch.Tensor:
+    """Keras's function: the cross-entropy of each example against one-hot or probability
+    targets, shape y_pred's without its class dim."""
+    kind = CategoricalCrossentropy
+    return _classes_last(kind, axis, bool(from_logits), label_smoothing).call(y_true, y_pred)
+
+
+def binary_crossentropy(
+    y_true: Any,
+    y_pred: Any,
+    from_logits: bool = False,
+    label_smoothing: float = 0.0,
+    axis: int = -1,
+) -> torch.Tensor:
+    """Keras's function: binary cross-entropy averaged over the last dim, one per example."""
+    kind = BinaryCrossentropy
+    return _classes_last(kind, axis, bool(from_logits), label_smoothing).call(y_true, y_pred)
+
+
+def mean_squared_error(y_true: Any, y_pred: Any) -> torch.Tensor:
+    """Keras's function: the squared error averaged over the last dim, one per example."""
+    return _loss_object(MeanSquaredError).call(y_true, y_pred)
+
+
+def mean_absolute_error(y_true: Any, y_pred: Any) -> torch.Tensor:
+    """Keras's function: the absolute error averaged over the last dim, one per example."""
+    return _loss_object(MeanAbsoluteError).call(y_true, y_pred)
+
+
+mse = mean_squared_error
+mae = mean_absolute_error
 
 
 _LOSSES: dict[str, Callable[[], Loss]] = {

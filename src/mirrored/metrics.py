@@ -5,6 +5,9 @@ and the sum of the weights). Each replica computes the state of its shard with `
 which is pure and never waits for the device; the caller adds the replicas' states and merges
 them, so a ragged last batch, or an empty shard, gives exactly the single-device value. Sums are
 kept in float64 so that an epoch of batches adds up without float32 rounding drift.
+
+Keras's function forms (``sparse_categorical_accuracy(y_true, y_pred)`` and friends) give one
+value per example; ``compile(metrics=[fn])`` averages them, logged under the function's name.
 """
 
 from __future__ import annotations
@@ -27,7 +30,10 @@ __all__ = [
     "MeanSquaredError",
     "Metric",
     "SparseCategoricalAccuracy",
+    "binary_accuracy",
+    "categorical_accuracy",
     "get",
+    "sparse_categorical_accuracy",
 ]
 
 
@@ -145,7 +151,7 @@ class MeanMetricWrapper(_WeightedMean):
     def __init__(self, fn: Callable[..., Any], name: str | None = None) -> None:
         if not callable(fn):
             raise TypeError(f"fn={fn!r}: expected a function fn(y_true, y_pred)")
-        super().__init__(name if name is not None else getattr(fn, "__name__", type(fn).__name__))
+        super().__init__(name if name is not None else losses.function_name(fn))
         self.fn = fn
 
     def batch_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> torch.Tensor:
@@ -165,9 +171,9 @@ def _squeeze_trailing_one(values: torch.Tensor) -> torch.Tensor:
     return values.squeeze(-1) if values.dim() > 1 and values.shape[-1] == 1 else values
 
 
-def _sparse_categorical_matches(y_true: Any, y_pred: Any) -> torch.Tensor:
-    """1.0 where the argmax of y_pred [batch, ..., classes] is the class id y_true [batch, ...]
-    (a trailing dim of 1 squeezed)."""
+def sparse_categorical_accuracy(y_true: Any, y_pred: Any) -> torch.Tensor:
+    """Keras's function: 1.0 where the argmax of y_pred [batch, ..., classes] is the class id
+    y_true [batch, ...] (a trailing dim of 1 squeezed), one value per example (per position)."""
     pred = _to_tensor(y_pred, "y_pred")
     true = _to_tensor(y_true, "y_true", pred.device)
     ids = true.squeeze(-1) if true.dim() == pred.dim() and true.dim() > 0 else true
@@ -180,8 +186,9 @@ def _sparse_categorical_matches(y_true: Any, y_pred: Any) -> torch.Tensor:
     return _squeeze_trailing_one((pred.argmax(dim=-1) == ids).to(torch.float32))
 
 
-def _categorical_matches(y_true: Any, y_pred: Any) -> torch.Tensor:
-    """1.0 where y_true and y_pred, both [batch, ..., classes], have their argmax in common."""
+def categorical_accuracy(y_true: Any, y_pred: Any) -> torch.Tensor:
+    """Keras's function: 1.0 where y_true and y_pred, both [batch, ..., classes], have their
+    argmax in common."""
     pred = _to_tensor(y_pred, "y_pred")
     true = _to_tensor(y_true, "y_true", pred.device)
     if pred.dim() < 2 or true.shape != pred.shape:
@@ -194,9 +201,9 @@ def _categorical_matches(y_true: Any, y_pred: Any) -> torch.Tensor:
     return _squeeze_trailing_one(matches.to(torch.float32))
 
 
-def _binary_matches(y_true: Any, y_pred: Any, threshold: float = 0.5) -> torch.Tensor:
-    """1.0 where (y_pred > threshold) equals y_true, elementwise over one shape (a trailing dim of
-    1 aligned as Keras does)."""
+def binary_accuracy(y_true: Any, y_pred: Any, threshold: float = 0.5) -> torch.Tensor:
+    """Keras's function: 1.0 where (y_pred > threshold) equals y_true, elementwise over one shape
+    (a trailing dim of 1 aligned as Keras does)."""
     pred = _to_tensor(y_pred, "y_pred")
     true = _to_tensor(y_true, "y_true", pred.device)
     true_aligned, pred_aligned = _align_ranks(true, pred)
@@ -214,14 +221,14 @@ class SparseCategoricalAccuracy(MeanMetricWrapper):
     """How often the argmax of y_pred (logits or probabilities) is the class id in y_true."""
 
     def __init__(self, name: str = "sparse_categorical_accuracy") -> None:
-        super().__init__(_sparse_categorical_matches, name)
+        super().__init__(sparse_categorical_accuracy, name)
 
 
 class CategoricalAccuracy(MeanMetricWrapper):
     """How often the argmax of y_pred is the argmax of the one-hot y_true."""
 
     def __init__(self, name: str = "categorical_accuracy") -> None:
-        super().__init__(_categorical_matches, name)
+        super().__init__(categorical_accuracy, name)
 
 
 class BinaryAccuracy(MeanMetricWrapper):
@@ -235,7 +242,7 @@ class BinaryAccuracy(MeanMetricWrapper):
         super().__init__(self._matches, name)
 
     def _matches(self, y_true: Any, y_pred: Any) -> torch.Tensor:
-        return _binary_matches(y_true, y_pred, self.threshold)
+        return binary_accuracy(y_true, y_pred, self.threshold)
 
 
 _EXACT = torch.float64  # regression metrics compute their values in float64 too
@@ -264,9 +271,9 @@ class MeanAbsoluteError(MeanMetricWrapper):
 
 
 _ACCURACY_KINDS: dict[str, Callable[[Any, Any], torch.Tensor]] = {
-    "binary": _binary_matches,
-    "sparse_categorical": _sparse_categorical_matches,
-    "categorical": _categorical_matches,
+    "binary": binary_accuracy,
+    "sparse_categorical": sparse_categorical_accuracy,
+    "categorical": categorical_accuracy,
 }
 
 
@@ -347,7 +354,7 @@ def get(identifier: Metric | str | Callable[..., Any] | type[Metric], loss: Any 
             "value per example)"
         )
     if callable(identifier):
-        return MeanMetricWrapper(identifier, getattr(identifier, "__name__", None))
+        return MeanMetricWrapper(identifier)
     raise TypeError(
         f"metric {identifier!r}: expected a metric name ({', '.join(_METRICS)}), a "
         "mirrored.metrics.Metric, or a function fn(y_true, y_pred) returning one value per example"
