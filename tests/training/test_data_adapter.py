@@ -70,10 +70,19 @@ def test_unpack_batch() -> None:
     assert unpack_batch((1, 2), "fit") == (1, 2, None)
     assert unpack_batch([1, 2, 3], "fit") == (1, 2, 3)
     assert unpack_batch(torch.zeros(1), "predict")[1] is None
+    inputs = {"input_ids": torch.zeros(2, 3), "labels": torch.zeros(2, 3)}
+    assert unpack_batch(inputs, "fit") == (inputs, None, None)  # a Hugging Face batch
     with pytest.raises(ValueError, match="needs targets"):
         unpack_batch(torch.zeros(1), "fit")
     with pytest.raises(ValueError, match="4 items"):
         unpack_batch((1, 2, 3, 4), "fit")
+
+
+def test_a_dict_of_arrays_needs_no_y() -> None:
+    ids = torch.arange(12).reshape(6, 2)
+    adapter = DataAdapter({"input_ids": ids, "labels": ids}, batch_size=4)
+    (x, y, weight), _ = adapter.epoch()
+    assert torch.equal(x["labels"], ids[:4]) and y is None and weight is None
 
 
 @pytest.mark.parametrize(

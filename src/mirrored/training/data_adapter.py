@@ -6,8 +6,10 @@ Two kinds of input, as in Keras:
 - a DataLoader or any iterable of batches ``(x, y)`` / ``(x, y, sample_weight)``: used as given
   (a re-iterable one starts a new pass every epoch; a one-shot iterator continues across epochs).
 
-A batch is normalised to ``(x, y, sample_weight)``. An epoch can start after its first ``skip``
-batches, which is how ``BackupAndRestore`` resumes mid-epoch.
+A batch is normalised to ``(x, y, sample_weight)``. A dict x needs no y (a Hugging Face model's
+inputs carry their ``labels``, or the model computes its own loss): dict arrays without y, and
+batches that are dicts, are x alone. An epoch can start after its first ``skip`` batches, which
+is how ``BackupAndRestore`` resumes mid-epoch.
 """
 
 from __future__ import annotations
@@ -51,8 +53,8 @@ def _as_tensor(value: Any) -> Any:
 
 
 def unpack_batch(batch: Any, purpose: str) -> tuple[Any, Any, Any]:
-    """``(x, y, sample_weight)`` of one batch: a tuple or list of 2 or 3 is (x, y[, weight]);
-    anything else is x alone (allowed for ``predict`` only)."""
+    """``(x, y, sample_weight)`` of one batch: a tuple or list of 2 or 3 is (x, y[, weight]); a
+    dict (a Hugging Face batch) is x alone; anything else is x alone for ``predict`` only."""
     if isinstance(batch, (tuple, list)) and not _is_namedtuple(batch):
         if len(batch) in (2, 3):
             return batch[0], batch[1], batch[2] if len(batch) == 3 else None
@@ -62,10 +64,11 @@ def unpack_batch(batch: Any, purpose: str) -> tuple[Any, Any, Any]:
             f"a batch of the data is a {type(batch).__name__} of {len(batch)} items; expected "
             "(x, y) or (x, y, sample_weight) (put several inputs in a tuple or dict as x)"
         )
-    if purpose != "predict":
+    if purpose != "predict" and not isinstance(batch, Mapping):
         raise ValueError(
             f"{purpose}() needs targets, but a batch of the data is a single "
-            f"{type(batch).__name__}; yield (x, y) or (x, y, sample_weight) batches"
+            f"{type(batch).__name__}; yield (x, y) or (x, y, sample_weight) batches, or dicts "
+            "of inputs carrying 'labels'"
         )
     return batch, None, None
 
@@ -114,9 +117,10 @@ class DataAdapter:
                     f"{name} is a {type(value).__name__}; with array x, {name} must be a tensor "
                     "or numpy array (or a tuple or dict of them)"
                 )
-        if y is None and self.purpose != "predict":
+        if y is None and self.purpose != "predict" and not isinstance(x, Mapping):
             raise ValueError(
-                f"{self.purpose}() got array x but no y; pass y=, or a DataLoader of (x, y)"
+                f"{self.purpose}() got array x but no y; pass y=, a dict x carrying 'labels', "
+                "or a DataLoader of (x, y)"
             )
         self._arrays = map_structure(_as_tensor, (x, y, sample_weight))
         lengths = {

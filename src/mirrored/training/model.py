@@ -6,6 +6,8 @@ strategy, on ``MirroredStrategy`` and on the multi-worker strategy. Create the m
 ``strategy.scope()``; every global batch is split across the strategy's replicas, and fit on N
 replicas ends with the parameters fit on one device ends with.
 
+Hugging Face models fit as they are: see ``Model.compile``.
+
 On a ``ParameterServerStrategy`` fit schedules its steps on the workers
 (``mirrored.training.parameter_server_fit``); evaluate and predict run on the coordinator's copy
 of the model, pulled from the ps tasks; ``save`` and ``load`` go through the coordinator.
@@ -175,8 +177,13 @@ class Model:
 
         ``optimizer``: a name ("adam", "sgd", "adamw", "rmsprop"), a ``mirrored.optimizers``
         object (its learning rate may be a schedule), or a torch optimizer built on
-        ``model.parameters()``. ``loss``: a name, a ``mirrored.losses`` object or a callable
-        returning per-example losses. ``precision``: "32", "bf16-mixed" or "16-mixed" (autocast;
+        ``model.parameters()``. ``loss``: a name, a ``mirrored.losses`` object or function, or a
+        callable returning per-example losses; for a model returning a mapping (a Hugging Face
+        ``ModelOutput``) it takes the ``logits``; ``None`` trains on the model's own ``loss``,
+        a mean over each shard's labels that are not -100 (or its examples), weighted to the
+        global batch's mean. Without y in the data, ``metrics`` and ``weighted_metrics`` compare
+        the logits with ``x["labels"]``, its -100 positions weighted 0. ``precision``: "32",
+        "bf16-mixed" or "16-mixed" (autocast;
         float16 adds dynamic loss scaling; the weights stay float32). ``lr_scheduler``: a torch
         LR scheduler on that optimizer, stepped after every update. ``steps_per_execution``:
         batches per ``strategy.run`` (callbacks' batch hooks run once per execution).
@@ -189,9 +196,7 @@ class Model:
             )
         if self._in_fit:
             raise RuntimeError("compile() was called during fit(); compile before fit")
-        if loss is None:
-            raise ValueError("compile() needs a loss, e.g. loss='sparse_categorical_crossentropy'")
-        loss_object = losses_module.get(loss)
+        loss_object = None if loss is None else losses_module.get(loss)
         if getattr(loss_object, "ignore_class", None) is not None:
             raise ValueError(
                 "compile() does not take a loss with ignore_class yet (fit averages over every "
@@ -620,7 +625,8 @@ class Model:
         callbacks: Sequence[Callback] | None = None,
     ) -> Any:
         """The model's outputs for every example, concatenated in order, on the CPU (a tensor,
-        or the structure the module returns)."""
+        or the structure the module returns; of a mapping such as a Hugging Face
+        ``ModelOutput``, a dict of its per-example entries: no mean loss, no cache)."""
         replicas = self._mirrored_module()
         compiled = self._steps
         runner = compiled if compiled is not None else _predict_only(replicas)
@@ -787,7 +793,7 @@ def _predict_only(replicas: Any) -> Steps:
     return Steps(
         module=replicas,
         optimizer=None,
-        loss=None,  # type: ignore[arg-type]
+        loss=None,
         metrics=MetricSet([], []),
         precision="32",
         schedule=None,

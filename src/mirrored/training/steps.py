@@ -6,6 +6,12 @@ so the replicas' gradients add up to the single-device gradient), backward, the 
 optimizer's step (the all-reduce), and the metrics' partial sums. The replicas return those sums
 as one float64 vector; the caller adds them up (``strategy.reduce``), so metrics of a ragged batch
 equal the single-device ones. ``steps_per_execution`` batches run in one ``strategy.run``.
+
+Hugging Face models return a mapping (a ``ModelOutput``): the compiled loss and metrics take its
+``logits``. With ``compile(loss=None)`` the model's own ``loss`` (a mean over the shard) trains,
+scaled to its share of the global mean by ``scale_shard_mean``. When the data has no y and x is a
+dict carrying ``labels``, those labels are the targets, weighted 0 where they are -100 (the
+positions without a loss), as Keras would treat them with ``sample_weight`` 0.
 """
 
 from __future__ import annotations
@@ -19,14 +25,25 @@ import torch
 
 from mirrored import losses as losses_module
 from mirrored.context import get_replica_context
-from mirrored.losses import compute_average_loss
+from mirrored.input import batch_size_of
+from mirrored.losses import broadcast_weight, compute_average_loss, scale_shard_mean
 from mirrored.metrics import Mean, Metric
 from mirrored.training.loss_scale import LossScale
-from mirrored.values import ReduceOp, map_structure
+from mirrored.values import ReduceOp, flatten, map_structure
 
-__all__ = ["MetricSet", "Steps", "call_module"]
+__all__ = [
+    "IGNORE_INDEX",
+    "MetricSet",
+    "ShardLoss",
+    "Steps",
+    "Targets",
+    "call_module",
+    "predictions",
+    "targets_of",
+]
 
 PRECISIONS = {"32": None, "32-true": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+IGNORE_INDEX = -100  # Hugging Face's label for positions without a loss (torch's ignore_index)
 
 
 def call_module(module: Any, x: Any) -> Any:
@@ -36,6 +53,91 @@ def call_module(module: Any, x: Any) -> Any:
     if isinstance(x, Mapping):
         return module(**x)
     return module(x)
+
+
+def predictions(y_pred: Any) -> Any:
+    """What the compiled loss and metrics compare with the targets: the model's output, or the
+    ``logits`` of a mapping output (a Hugging Face ``ModelOutput``)."""
+    if not isinstance(y_pred, Mapping):
+        return y_pred
+    if "logits" not in y_pred:
+        raise TypeError(
+            f"the model returned a {type(y_pred).__name__} with keys {list(y_pred)}; compile()'s "
+            "loss and metrics take its 'logits': return them under that key (or a tensor)"
+        )
+    return y_pred["logits"]
+
+
+def _hugging_face_labels(x: Any) -> torch.Tensor | None:
+    """The ``labels`` tensor of a dict x (a Hugging Face model's inputs), or None."""
+    labels = x.get("labels") if isinstance(x, Mapping) else None
+    return labels if isinstance(labels, torch.Tensor) else None
+
+
+@dataclasses.dataclass
+class Targets:
+    """What one batch's loss and metrics compare the predictions with."""
+
+    y: Any  # None when the data carries no targets
+    sample_weight: Any  # for the loss and weighted_metrics: the user's weights (times ``mask``)
+    mask: torch.Tensor | None  # for metrics: 0 where the labels are IGNORE_INDEX, else None
+
+
+def targets_of(x: Any, y: Any, sample_weight: Any) -> Targets:
+    """``y``; without one, the ``labels`` of a dict x, their IGNORE_INDEX positions weighted 0
+    (and given class 0, so that no loss sees an id of -100)."""
+    labels = _hugging_face_labels(x) if y is None else None
+    if labels is None:
+        return Targets(y, sample_weight, None)
+    valid = labels != IGNORE_INDEX
+    mask = valid.to(torch.float32)
+    weight = mask if sample_weight is None else broadcast_weight(sample_weight, mask) * mask
+    return Targets(labels.masked_fill(~valid, 0), weight, mask)
+
+
+@dataclasses.dataclass
+class ShardLoss:
+    """A replica's loss on its shard: the sum of its examples' losses (a compiled loss), or the
+    model's own loss, a mean over ``count`` elements (``compile(loss=None)``)."""
+
+    value: torch.Tensor
+    count: torch.Tensor | int  # the examples summed, or the elements the model averaged
+    is_mean: bool
+
+    def scaled(self, global_batch_size: int) -> torch.Tensor:
+        """This replica's part of the global batch's mean loss, through a scaling helper."""
+        if self.is_mean:
+            return scale_shard_mean(self.value, self.count)
+        return compute_average_loss(self.value.reshape(1), global_batch_size=global_batch_size)
+
+    def total(self) -> torch.Tensor:
+        """The loss summed over the shard, detached, in float64 (0 for a shard with nothing
+        to average, whose mean is NaN)."""
+        value = self.value.detach().double().reshape(())
+        if not self.is_mean:
+            return value
+        count = torch.as_tensor(self.count, device=value.device)
+        return torch.where(count > 0, value * count, torch.zeros_like(value))
+
+
+def _own_loss_count(x: Any) -> torch.Tensor | int:
+    """How many terms a model's own mean loss averages on this shard: its labels that are not
+    IGNORE_INDEX when x carries labels, else its examples."""
+    labels = _hugging_face_labels(x)
+    return batch_size_of(x) if labels is None else (labels != IGNORE_INDEX).sum()
+
+
+def _per_example(value: Any) -> bool:
+    leaves = flatten(value)
+    return bool(leaves) and all(isinstance(v, torch.Tensor) and v.dim() > 0 for v in leaves)
+
+
+def _predicted(y_pred: Any) -> Any:
+    """What predict returns of one batch's output: a mapping output as a plain dict of its
+    per-example entries (a model's mean loss and a cache object left out), all detached."""
+    if isinstance(y_pred, Mapping):
+        y_pred = {k: v for k, v in y_pred.items() if _per_example(v)}
+    return map_structure(_detach, y_pred)
 
 
 def _to(structure: Any, device: torch.device) -> Any:
@@ -61,14 +163,24 @@ class MetricSet:
     def all(self) -> list[Metric]:
         return [self.loss, *self.metrics, *self.weighted]
 
-    def batch_state(
-        self, loss_sum: torch.Tensor, count: int, y: Any, y_pred: Any, sample_weight: Any
-    ) -> torch.Tensor:
-        """This shard's partial sums: [loss sum, examples, each metric's state...]."""
-        parts = [torch.stack([loss_sum.detach().double(), loss_sum.new_full((), count).double()])]
-        parts += [m.batch_state(y, y_pred) for m in self.metrics]
-        parts += [m.batch_state(y, y_pred, sample_weight=sample_weight) for m in self.weighted]
-        return torch.cat([p.to(parts[0].device) for p in parts])
+    def batch_state(self, loss: ShardLoss, targets: Targets, y_pred: Any) -> torch.Tensor:
+        """This shard's partial sums: [loss sum, its count, each metric's state...]."""
+        total = loss.total()
+        count = torch.as_tensor(loss.count, dtype=torch.float64, device=total.device)
+        parts = [torch.stack([total, count])]
+        if self.metrics or self.weighted:
+            if targets.y is None:
+                raise ValueError(
+                    "compile()'s metrics compare the predictions with targets, but the data "
+                    "yields none: pass y, or x as a dict carrying 'labels'"
+                )
+            y, predicted = targets.y, predictions(y_pred)
+            parts += [m.batch_state(y, predicted, sample_weight=targets.mask) for m in self.metrics]
+            parts += [
+                m.batch_state(y, predicted, sample_weight=targets.sample_weight)
+                for m in self.weighted
+            ]
+        return torch.cat([p.to(total.device) for p in parts])
 
     def merge(self, state: torch.Tensor) -> None:
         offset = 0
@@ -95,9 +207,9 @@ class MetricSet:
 class Steps:
     """The compiled pieces a replica function uses; built by ``Model.compile``."""
 
-    module: Any  # the mirrored module (or the plain one under the default strategy)
+    module: Any  # the mirrored module (or the plain one); None until a lazy module is built
     optimizer: Any  # the mirrored optimizer (or the plain one)
-    loss: losses_module.Loss
+    loss: losses_module.Loss | None  # None: the model's own loss (a mapping output's "loss")
     metrics: MetricSet
     precision: str
     schedule: Any  # a mirrored.optimizers.Optimizer whose learning rate is scheduled, or None
@@ -122,21 +234,37 @@ class Steps:
             y_pred = call_module(self.module, x)
         return x, y, sample_weight, y_pred
 
-    def _loss_sum(self, y: Any, y_pred: Any, sample_weight: Any) -> tuple[torch.Tensor, int]:
-        """Sum over the shard of each example's (weighted) mean loss element; the shard size."""
-        if y is None:
-            raise ValueError("the data yields no targets (y); fit and evaluate need (x, y)")
-        if not isinstance(y_pred, torch.Tensor):
-            raise TypeError(
-                f"the model returned a {type(y_pred).__name__}; compile()'s loss takes one "
-                "tensor of predictions: return a tensor from forward()"
+    def _shard_loss(self, x: Any, targets: Targets, y_pred: Any) -> ShardLoss:
+        """The compiled loss summed over the shard (each example's weighted mean loss element),
+        or the model's own mean loss."""
+        if self.loss is None:
+            own = y_pred.get("loss") if isinstance(y_pred, Mapping) else None
+            if not isinstance(own, torch.Tensor):
+                raise ValueError(
+                    f"compile(loss=None) trains on the model's own loss, but the model returned a "
+                    f"{type(y_pred).__name__} without a 'loss' tensor (a Hugging Face model "
+                    "computes it when x carries 'labels'): put the labels in x, or compile with "
+                    "a loss"
+                )
+            return ShardLoss(own, _own_loss_count(x), is_mean=True)
+        if targets.y is None:
+            raise ValueError(
+                "the data yields no targets: fit and evaluate need (x, y), x as a dict carrying "
+                "'labels', or compile(loss=None) for a model that computes its own loss"
             )
-        values = self.loss.call(y, y_pred)
+        predicted = predictions(y_pred)
+        if not isinstance(predicted, torch.Tensor):
+            raise TypeError(
+                f"the model returned a {type(predicted).__name__}; compile()'s loss takes one "
+                "tensor of predictions: return a tensor (or a mapping with 'logits') from "
+                "forward()"
+            )
+        values = self.loss.call(targets.y, predicted)
         count = values.shape[0]
-        if sample_weight is not None:
-            values = values * losses_module.broadcast_weight(sample_weight, values)
+        if targets.sample_weight is not None:
+            values = values * broadcast_weight(targets.sample_weight, values)
         per_example = values if values.dim() == 1 else values.flatten(1).mean(dim=1)
-        return per_example.sum(), count
+        return ShardLoss(per_example.sum(), count, is_mean=False)
 
     # -- replica functions -------------------------------------------------------------------------
     def train(
@@ -153,9 +281,10 @@ class Steps:
         for offset, (batch, global_batch_size) in enumerate(
             zip(batches, global_batch_sizes, strict=True)
         ):
-            _, y, sample_weight, y_pred = self._forward(batch)
-            loss_sum, count = self._loss_sum(y, y_pred, sample_weight)
-            loss = compute_average_loss(loss_sum.reshape(1), global_batch_size=global_batch_size)
+            x, y, sample_weight, y_pred = self._forward(batch)
+            targets = targets_of(x, y, sample_weight)
+            shard_loss = self._shard_loss(x, targets, y_pred)
+            loss = shard_loss.scaled(global_batch_size)
             if self.precision == "16-mixed":
                 (loss * loss_scale.scale).backward()
             else:
@@ -182,7 +311,7 @@ class Steps:
             if updates and not skipped and first_replica and self.lr_scheduler is not None:
                 self.lr_scheduler.step()
             with torch.no_grad():
-                state = self.metrics.batch_state(loss_sum, count, y, y_pred, sample_weight)
+                state = self.metrics.batch_state(shard_loss, targets, y_pred)
             total = state if total is None else total + state
         assert total is not None
         return total, loss_scale
@@ -206,9 +335,10 @@ class Steps:
         total: torch.Tensor | None = None
         with torch.no_grad():
             for batch in batches:
-                _, y, sample_weight, y_pred = self._forward(batch)
-                loss_sum, count = self._loss_sum(y, y_pred, sample_weight)
-                state = self.metrics.batch_state(loss_sum, count, y, y_pred, sample_weight)
+                x, y, sample_weight, y_pred = self._forward(batch)
+                targets = targets_of(x, y, sample_weight)
+                shard_loss = self._shard_loss(x, targets, y_pred)
+                state = self.metrics.batch_state(shard_loss, targets, y_pred)
                 total = state if total is None else total + state
         assert total is not None
         return total
@@ -218,7 +348,7 @@ class Steps:
         outputs = []
         with torch.no_grad():
             for batch in batches:
-                outputs.append(map_structure(_detach, self._forward(batch)[3]))
+                outputs.append(_predicted(self._forward(batch)[3]))
         return outputs
 
 
