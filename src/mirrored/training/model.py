@@ -38,6 +38,7 @@ from mirrored.input import global_batch_size_of
 from mirrored.mirror import MirroredModule
 from mirrored.strategy import Strategy, default_strategy
 from mirrored.training.data_adapter import DataAdapter, _is_array_structure
+from mirrored.training.layers import Layer, find_layer
 from mirrored.training.loss_scale import LossScale
 from mirrored.training.steps import PRECISIONS, MetricSet, Steps
 from mirrored.values import ReduceOp, map_structure
@@ -161,6 +162,19 @@ class Model:
             self._replicas = self.strategy.mirror(self.module)
         return self._replicas
 
+    def _replica_modules(self) -> list[nn.Module]:
+        """Every local copy of the module: the replicas once mirrored, else the module."""
+        if isinstance(self._replicas, MirroredModule):
+            return list(self._replicas.replicas)
+        return [self.module]
+
+    # -- Keras's layer access ----------------------------------------------------------------------
+    def get_layer(self, name: str | None = None, index: int | None = None) -> Layer:
+        """A layer by name (any submodule's dotted name from ``named_modules``, e.g.
+        ``"encoder.layer.0"``) or by index among the top-level children, as Keras's
+        ``get_layer``. Setting its ``trainable`` to False freezes it on every replica."""
+        return find_layer(self, self.module, name, index)
+
     # -- compile -----------------------------------------------------------------------------------
     def compile(
         self,
@@ -181,9 +195,9 @@ class Model:
         callable returning per-example losses; for a model returning a mapping (a Hugging Face
         ``ModelOutput``) it takes the ``logits``; ``None`` trains on the model's own ``loss``,
         a mean over each shard's labels that are not -100 (or its examples), weighted to the
-        global batch's mean. Without y in the data, ``metrics`` and ``weighted_metrics`` compare
-        the logits with ``x["labels"]``, its -100 positions weighted 0. ``precision``: "32",
-        "bf16-mixed" or "16-mixed" (autocast;
+        global batch's mean. ``metrics`` / ``weighted_metrics``: a list, or one metric; without
+        y in the data they compare the logits with ``x["labels"]``, its -100 positions
+        weighted 0. ``precision``: "32", "bf16-mixed" or "16-mixed" (autocast;
         float16 adds dynamic loss scaling; the weights stay float32). ``lr_scheduler``: a torch
         LR scheduler on that optimizer, stepped after every update. ``steps_per_execution``:
         batches per ``strategy.run`` (callbacks' batch hooks run once per execution).
@@ -243,9 +257,14 @@ class Model:
     def _metrics(argument: str, metrics: Any, loss: Any) -> list[metrics_module.Metric]:
         if metrics is None:
             return []
+        if isinstance(metrics, metrics_module.Metric) or (
+            callable(metrics) and not isinstance(metrics, Iterable)
+        ):
+            metrics = [metrics]  # one metric, as TensorFlow's Keras took it
         if isinstance(metrics, (str, dict)) or not isinstance(metrics, Iterable):
             raise TypeError(
-                f"{argument} must be a list (e.g. ['accuracy']), got {type(metrics).__name__}"
+                f"{argument}={metrics!r}: expected a list of metrics, e.g. "
+                f"{argument}=[{metrics!r}], or one metric object"
             )
         resolved = [metrics_module.get(m, loss) for m in metrics]
         for metric in resolved:

@@ -38,8 +38,11 @@ __all__ = [
     "Steps",
     "Targets",
     "call_module",
+    "cast_images",
+    "floating_dtype",
     "predictions",
     "targets_of",
+    "to_device",
 ]
 
 PRECISIONS = {"32": None, "32-true": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
@@ -53,6 +56,22 @@ def call_module(module: Any, x: Any) -> Any:
     if isinstance(x, Mapping):
         return module(**x)
     return module(x)
+
+
+def floating_dtype(module: Any) -> torch.dtype:
+    """The dtype of the module's first floating parameter (float32 when it has none)."""
+    for parameter in module.parameters():
+        if parameter.is_floating_point():
+            return parameter.dtype
+    return torch.float32
+
+
+def cast_images(x: Any, dtype: torch.dtype) -> Any:
+    """uint8 inputs (images) as ``dtype``, the model's floating dtype, as Keras casts inputs to
+    its model's dtype; inputs of other integer dtypes (token ids, int64) stay as they are."""
+    return map_structure(
+        lambda v: v.to(dtype) if isinstance(v, torch.Tensor) and v.dtype == torch.uint8 else v, x
+    )
 
 
 def predictions(y_pred: Any) -> Any:
@@ -140,7 +159,8 @@ def _predicted(y_pred: Any) -> Any:
     return map_structure(_detach, y_pred)
 
 
-def _to(structure: Any, device: torch.device) -> Any:
+def to_device(structure: Any, device: torch.device) -> Any:
+    """The tensors of ``structure`` on ``device`` (those already there as they are)."""
     return map_structure(
         lambda v: (
             v.to(device, non_blocking=True)
@@ -229,7 +249,8 @@ class Steps:
 
     def _forward(self, batch: tuple[Any, Any, Any]) -> tuple[Any, Any, Any, Any]:
         device = self._device()
-        x, y, sample_weight = _to(batch, device)
+        x, y, sample_weight = to_device(batch, device)
+        x = cast_images(x, floating_dtype(self.module))
         with self._autocast(device):
             y_pred = call_module(self.module, x)
         return x, y, sample_weight, y_pred
