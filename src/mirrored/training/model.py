@@ -6,7 +6,9 @@ strategy, on ``MirroredStrategy`` and on the multi-worker strategy. Create the m
 ``strategy.scope()``; every global batch is split across the strategy's replicas, and fit on N
 replicas ends with the parameters fit on one device ends with.
 
-Hugging Face models fit as they are: see ``Model.compile``.
+A module with lazy parameters (``nn.LazyLinear``, what a Keras ``Dense`` without an input shape
+becomes) is built as Keras builds a model: on the first batch fit, evaluate or predict see, before
+it is mirrored. Hugging Face models fit as they are: see ``Model.compile``.
 
 On a ``ParameterServerStrategy`` fit schedules its steps on the workers
 (``mirrored.training.parameter_server_fit``); evaluate and predict run on the coordinator's copy
@@ -40,7 +42,15 @@ from mirrored.strategy import Strategy, default_strategy
 from mirrored.training.data_adapter import DataAdapter, _is_array_structure
 from mirrored.training.layers import Layer, find_layer
 from mirrored.training.loss_scale import LossScale
-from mirrored.training.steps import PRECISIONS, MetricSet, Steps
+from mirrored.training.steps import (
+    PRECISIONS,
+    MetricSet,
+    Steps,
+    call_module,
+    cast_images,
+    floating_dtype,
+    to_device,
+)
 from mirrored.values import ReduceOp, map_structure
 
 __all__ = ["Model"]
@@ -54,6 +64,13 @@ def _resolve_verbose(verbose: int | str) -> int:
     if verbose not in (0, 1, 2) or isinstance(verbose, bool):
         raise ValueError(f"verbose={verbose!r}: expected 'auto', 0, 1 or 2")
     return int(verbose)
+
+
+def _has_lazy_parameters(module: nn.Module) -> bool:
+    return any(
+        torch.nn.parameter.is_lazy(t)
+        for t in itertools.chain(module.parameters(), module.buffers())
+    )
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -73,7 +90,8 @@ class Model:
         self.stop_training = False
         self.history = History()
         self._replicas: Any = None  # the mirrored module, once mirrored
-        self._optimizer: Any = None  # the mirrored optimizer, once compiled
+        self._optimizer: Any = None  # compile's torch optimizer, mirrored with the module
+        self._sync_batch_norm = False
         self._steps: Steps | None = None
         self._steps_per_execution = 1
         self._iterations = 0
@@ -158,15 +176,68 @@ class Model:
             self._replicas.pull()
 
     def _mirrored_module(self) -> Any:
-        if self._replicas is None:
+        """The mirrored module (with the compiled optimizer), mirrored on first use."""
+        if self._replicas is not None:
+            return self._replicas
+        if _has_lazy_parameters(self.module):
+            raise RuntimeError(
+                f"the module ({type(self.module).__name__}) has lazy parameters that are not "
+                "built yet; fit, evaluate and predict build them on their first batch (or call "
+                "the module once on an example batch before this)"
+            )
+        if self._steps is None:
             self._replicas = self.strategy.mirror(self.module)
-        return self._replicas
+            return self._replicas
+        replicas, mirrored_optimizer = self.strategy.mirror(
+            self.module, self._optimizer, sync_batch_norm=self._sync_batch_norm
+        )
+        if isinstance(replicas, MirroredModule) or self._on_parameter_servers:
+            self.module = replicas.module
+        self._replicas, self._optimizer = replicas, mirrored_optimizer
+        self._steps.module, self._steps.optimizer = replicas, mirrored_optimizer
+        return replicas
 
     def _replica_modules(self) -> list[nn.Module]:
         """Every local copy of the module: the replicas once mirrored, else the module."""
         if isinstance(self._replicas, MirroredModule):
             return list(self._replicas.replicas)
         return [self.module]
+
+    def _build(self, x: Any) -> None:
+        """Materialise lazy parameters, as Keras builds a model on its first call: the module
+        runs once on the first example of ``x`` (no grad, in eval mode so that no dropout or
+        batch statistics move, before any replica exists)."""
+        module = self.module
+        device = next(itertools.chain(module.parameters(), module.buffers())).device
+        example = map_structure(
+            lambda v: v[:1] if isinstance(v, torch.Tensor) and v.dim() else v, x
+        )
+        example = cast_images(to_device(example, device), floating_dtype(module))
+        training = module.training
+        module.train(False)
+        try:
+            with torch.no_grad():
+                call_module(module, example)
+        finally:
+            module.train(training)
+        if _has_lazy_parameters(module):
+            raise ValueError(
+                f"the module ({type(module).__name__}) still has lazy parameters after a forward "
+                "on the first example: a lazy layer its forward does not reach cannot be built; "
+                "give that layer its input size"
+            )
+
+    def _built_on(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """``batches``, the module built on the first one when its parameters are lazy, and
+        mirrored."""
+        if self._replicas is None and _has_lazy_parameters(self.module):
+            first = next(batches, None)
+            if first is None:
+                return iter(())
+            self._build(first[0])
+            batches = itertools.chain([first], batches)
+        self._mirrored_module()
+        return batches
 
     # -- Keras's layer access ----------------------------------------------------------------------
     def get_layer(self, name: str | None = None, index: int | None = None) -> Layer:
@@ -187,7 +258,8 @@ class Model:
         lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
         sync_batch_norm: bool = False,
     ) -> None:
-        """Choose the optimizer, loss and metrics, and mirror the module on the strategy.
+        """Choose the optimizer, loss and metrics, and mirror the module on the strategy (a
+        module with lazy parameters: on the first batch, once they are built).
 
         ``optimizer``: a name ("adam", "sgd", "adamw", "rmsprop"), a ``mirrored.optimizers``
         object (its learning rate may be a schedule), or a torch optimizer built on
@@ -231,25 +303,31 @@ class Model:
         for metric in compiled_weighted:
             if metric.name in taken:
                 metric.name = f"weighted_{metric.name}"
+        lazy = _has_lazy_parameters(self.module)
+        if lazy and self._on_parameter_servers:
+            raise ValueError(
+                "the module has lazy parameters, which a ParameterServerStrategy cannot build on "
+                "its workers; call the module once on an example batch before compile()"
+            )
+        # A torch optimizer on lazy parameters keeps working: torch materialises the parameter
+        # objects in place.
         torch_optimizer, schedule = self._build_optimizer(optimizer)
         self._check_lr_scheduler(lr_scheduler, torch_optimizer, schedule)
         if isinstance(self._replicas, MirroredModule):
             self._replicas.release()  # compiled again: the module is mirrored anew
-        replicas, mirrored_optimizer = self.strategy.mirror(
-            self.module, torch_optimizer, sync_batch_norm=sync_batch_norm
-        )
-        if isinstance(replicas, MirroredModule) or self._on_parameter_servers:
-            self.module = replicas.module
-        self._replicas, self._optimizer = replicas, mirrored_optimizer
         self._steps = Steps(
-            module=replicas,
-            optimizer=mirrored_optimizer,
+            module=None,
+            optimizer=None,
             loss=loss_object,
             metrics=MetricSet(compiled_metrics, compiled_weighted),
             precision=precision,
             schedule=schedule,
             lr_scheduler=lr_scheduler,
         )
+        self._replicas, self._optimizer = None, torch_optimizer
+        self._sync_batch_norm = sync_batch_norm
+        if not lazy:
+            self._mirrored_module()
         self._iterations = 0
         self._loss_scale = LossScale()
 
@@ -319,7 +397,9 @@ class Model:
 
     # -- running executions ------------------------------------------------------------------------
     def _executions(self, batches: Iterator[Any]) -> Iterator[list[Any]]:
-        """Distributed batches, ``steps_per_execution`` at a time."""
+        """Distributed batches, ``steps_per_execution`` at a time (the module built on the
+        first and mirrored, when it has lazy parameters)."""
+        batches = self._built_on(batches)
         distributed = iter(self._local_strategy.experimental_distribute_dataset(batches))
         while group := list(itertools.islice(distributed, self._steps_per_execution)):
             yield group
@@ -503,8 +583,7 @@ class Model:
         return self._logs()
 
     def _set_training(self, mode: bool) -> None:
-        if self._replicas is not None:
-            self._replicas.train(mode)
+        (self.module if self._replicas is None else self._replicas).train(mode)
 
     def _validation_adapter(self, validation_data: Any, batch_size: int | None) -> Any:
         if validation_data is None:
@@ -646,9 +725,6 @@ class Model:
         """The model's outputs for every example, concatenated in order, on the CPU (a tensor,
         or the structure the module returns; of a mapping such as a Hugging Face
         ``ModelOutput``, a dict of its per-example entries: no mean loss, no cache)."""
-        replicas = self._mirrored_module()
-        compiled = self._steps
-        runner = compiled if compiled is not None else _predict_only(replicas)
         data = DataAdapter(x, None, None, batch_size, False, steps, "predict")
         verbose = _resolve_verbose(verbose)
         callback_list = self._callback_list(callbacks, verbose, with_history=False)
@@ -656,11 +732,12 @@ class Model:
         outputs: list[Any] = []
         self._pull()
         was_training = bool(self.module.training)
-        replicas.train(False)
+        self._set_training(False)
         callback_list.on_predict_begin()
         try:
             step = 0
             for group in self._executions(data.epoch()):
+                runner = self._steps if self._steps is not None else _predict_only(self._replicas)
                 callback_list.on_predict_batch_begin(step)
                 per_batch = self._local_strategy.run(runner.predict, args=(group,))
                 for index in range(len(group)):
@@ -672,7 +749,7 @@ class Model:
                 step += len(group)
                 callback_list.on_predict_batch_end(step - 1, {})
         finally:
-            replicas.train(was_training)
+            self._set_training(was_training)
         if not outputs:
             raise ValueError("predict(): the data yielded no batches")
         callback_list.on_predict_end()
