@@ -506,16 +506,3 @@ def test_ignore_class_is_refused_by_compile() -> None:
             optimizer="adam",
             loss=mirrored.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=0),
         )
-
-
-def test_without_tqdm_bars_fall_back_to_a_line_per_epoch(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    import sys
-
-    monkeypatch.setitem(sys.modules, "tqdm", None)
-    x, y, _ = data()
-    model = compiled(mirrored.get_strategy(), make_mlp(FEATURES, CLASSES))
-    with pytest.warns(UserWarning, match="mirrored\\[progress\\]"):
-        model.fit(x, y, batch_size=BATCH, verbose=1)
-    assert capsys.readouterr().out.splitlines()[1].startswith("13/13 - ")

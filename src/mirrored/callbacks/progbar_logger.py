@@ -1,17 +1,22 @@
-"""``ProgbarLogger``: Keras's progress bar, drawn by tqdm.
+"""``ProgbarLogger``: Keras's progress bar.
 
-``verbose=1``: a bar per epoch, ``120/120 [======] - 29s 241ms/step - loss: 1.4100 - ...``
-with the ETA while it runs; ``verbose=2``: one such line (without the bar) per epoch, for logs
-and pipes; ``verbose=0``: nothing. ``fit(verbose="auto")`` picks 1 on a terminal, else 2.
-Only the process that writes logs (``strategy.should_checkpoint``) prints.
+``verbose=1``: on a terminal, a live bar per epoch (drawn by tqdm, fitted to the terminal's
+width, with the ETA) that ends as the epoch's full line,
+``120/120 [======] - 29s 241ms/step - loss: 1.4100 - ...``; where the output is not a terminal
+(a pipe, a file) only that line, once per epoch, as Keras does: no ``\\r`` and no partial bars
+in logs. ``verbose=2``: the line without the bar. ``verbose=0``: nothing.
+``fit(verbose="auto")`` picks 1 on a terminal, else 2. Only the process that writes logs
+(``strategy.should_checkpoint``) prints.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
 import time
 import warnings
-from typing import Any
+from typing import Any, TextIO
 
 from mirrored.callbacks.callback import Callback, Logs
 
@@ -19,6 +24,9 @@ __all__ = ["ProgbarLogger", "format_logs"]
 
 # Per-batch logs that are bookkeeping, not results.
 _HIDDEN = {"num_examples"}
+_BAR_WIDTH = 30
+# The width when the terminal reports none (a pseudo-terminal never sized says 0 columns).
+_FALLBACK_COLUMNS = 80
 
 
 def format_logs(logs: Logs) -> str:
@@ -42,12 +50,35 @@ def _timing(seconds: float, steps: int) -> str:
     return f" - {seconds:.0f}s {unit}"
 
 
+def _bar(done: int, total: int | None) -> str:
+    """``done/total [====....]``; ``total`` unknown counts as ``done`` (a full bar)."""
+    total = total or done
+    filled = _BAR_WIDTH * min(done, total) // max(total, 1)
+    return f"{done}/{total} [{'=' * filled}{'.' * (_BAR_WIDTH - filled)}]"
+
+
+def _redraws(stream: TextIO) -> bool:
+    """Whether ``\\r`` redraws a line of ``stream``: a terminal, or a notebook (Keras's rule)."""
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty is not None and isatty()) or "ipykernel" in sys.modules
+
+
+def _columns(stream: TextIO) -> int:
+    """The width of the terminal behind ``stream``, or 80 where it reports none."""
+    try:
+        columns = os.get_terminal_size(stream.fileno()).columns
+    except (AttributeError, OSError, ValueError):  # no file descriptor, or not a terminal
+        columns = shutil.get_terminal_size((_FALLBACK_COLUMNS, 24)).columns
+    return columns if columns > 0 else _FALLBACK_COLUMNS
+
+
 class ProgbarLogger(Callback):
     """Prints progress of fit, evaluate and predict (added by them when ``verbose`` is not 0)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self._bar: Any = None
+        self._live: Any = None  # the tqdm bar being redrawn, on a terminal
+        self._without_tqdm = False
         self._in_fit = False
         self._seen = 0
         self._start = 0.0
@@ -62,29 +93,34 @@ class ProgbarLogger(Callback):
     def _open(self) -> None:
         self._seen = 0
         self._start = time.perf_counter()
-        self._bar = None
-        if self._verbose != 1:
+        self._live = None
+        if self._verbose != 1 or self._without_tqdm or not _redraws(sys.stdout):
             return
         try:
             from tqdm import tqdm
-        except ImportError:  # an optional extra: fall back to a line per epoch
+        except ImportError:  # an optional extra: the epoch's line alone
             warnings.warn(
-                "progress bars need tqdm (pip install 'mirrored[progress]'); printing a line "
-                "per epoch instead",
+                "live progress bars need tqdm (pip install 'mirrored[progress]'); printing a "
+                "line per epoch instead",
                 stacklevel=2,
             )
-            self.params["verbose"] = 2
+            self._without_tqdm = True
             return
 
         total = self.params.get("steps")
         bar_format = "{n_fmt}/{total_fmt} [{bar:30}]{desc}" if total else "{n_fmt}/Unknown{desc}"
-        self._bar = tqdm(
-            total=total, bar_format=bar_format, ascii=".=", file=sys.stdout, leave=True
+        self._live = tqdm(
+            total=total,
+            bar_format=bar_format,
+            ascii=".=",
+            file=sys.stdout,
+            ncols=_columns(sys.stdout),  # tqdm cuts the live line to this width
+            leave=False,  # the epoch's full line replaces it (tqdm would cut that one too)
         )
 
     def _advance(self, batch: int, logs: Logs | None) -> None:
         steps = batch + 1
-        if self._bar is None:
+        if self._live is None:
             self._seen = steps
             return
         elapsed = time.perf_counter() - self._start
@@ -92,17 +128,21 @@ class ProgbarLogger(Callback):
         eta = ""
         if total:
             eta = f" - ETA: {elapsed / steps * max(total - steps, 0):.0f}s"
-        self._bar.set_description_str(eta + format_logs(logs or {}), refresh=False)
-        self._bar.update(steps - self._seen)
+        self._live.set_description_str(eta + format_logs(logs or {}), refresh=False)
+        self._live.update(steps - self._seen)
         self._seen = steps
+
+    def _clear_live(self) -> None:
+        if self._live is not None:
+            self._live.close()
+            self._live = None
 
     def _close(self, logs: Logs | None) -> None:
         elapsed = time.perf_counter() - self._start
         summary = _timing(elapsed, self._seen) + format_logs(logs or {})
-        if self._bar is not None:
-            self._bar.set_description_str(summary, refresh=False)
-            self._bar.close()
-            self._bar = None
+        self._clear_live()
+        if self._verbose == 1:
+            print(_bar(self._seen, self.params.get("steps")) + summary, flush=True)
         elif self._verbose == 2:
             print(f"{self._seen}/{self._seen}{summary}", flush=True)
 
@@ -112,9 +152,7 @@ class ProgbarLogger(Callback):
 
     def on_train_end(self, logs: Logs | None = None) -> None:
         self._in_fit = False
-        if self._bar is not None:  # training stopped mid-epoch
-            self._bar.close()
-            self._bar = None
+        self._clear_live()  # an epoch that never ended
 
     def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None:
         if self._verbose:
