@@ -253,7 +253,8 @@ def test_schedules_advance_per_optimizer_step() -> None:
         model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[callback])
         # Every replica used the scheduled rate: they are still identical.
         assert_replicas_identical(model._replicas)
-    assert seen == pytest.approx([schedule(step) for step in range(13)])
+    # After update n, the rate of update n + 1 (Keras's optimizer.learning_rate).
+    assert seen == pytest.approx([schedule(step) for step in range(1, 14)])
 
 
 def test_a_torch_lr_scheduler_steps_after_every_update() -> None:
@@ -270,6 +271,29 @@ def test_a_torch_lr_scheduler_steps_after_every_update() -> None:
             )
         model.fit(x[:96], y[:96], batch_size=BATCH, verbose=0)  # 6 updates
     assert model.learning_rate == pytest.approx(0.1 * 0.5**3)
+
+
+@pytest.mark.parametrize("driver", ["schedule", "lr_scheduler"])
+def test_epoch_logs_hold_the_learning_rate_of_the_next_update(driver: str) -> None:
+    """Keras logs the optimizer's learning rate as it stands for the next step: after epochs of
+    13 updates, the rates of updates 13 and 26."""
+    x, y, _ = data()
+    loss = mirrored.losses.SparseCategoricalCrossentropy(from_logits=True)
+    with strategy_for(2) as strategy:
+        with strategy.scope():
+            model = mirrored.Model(make_mlp(FEATURES, CLASSES))
+            if driver == "schedule":
+                rates = mirrored.optimizers.schedules.PiecewiseConstantDecay(
+                    [12, 25], [0.1, 0.01, 0.001]
+                )
+                model.compile(optimizer=mirrored.optimizers.SGD(learning_rate=rates), loss=loss)
+            else:
+                optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+                scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=13, gamma=0.1)
+                model.compile(optimizer=optimizer, loss=loss, lr_scheduler=scheduler)
+        history = model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0)
+    assert history.history["learning_rate"] == pytest.approx([0.01, 0.001])
+    assert model.learning_rate == pytest.approx(0.001)
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])

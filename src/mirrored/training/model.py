@@ -131,8 +131,13 @@ class Model:
 
     @property
     def learning_rate(self) -> float:
-        """The current learning rate (of the first parameter group)."""
-        return float(self._compiled_optimizer().param_groups[0]["lr"])
+        """The learning rate of the next update, as Keras's ``optimizer.learning_rate``: the
+        schedule's there, else the first parameter group's (a torch scheduler has moved it)."""
+        optimizer = self._compiled_optimizer()
+        assert self._steps is not None
+        if self._steps.schedule is not None:
+            return self._steps.scheduled_learning_rate(self._iterations)
+        return float(optimizer.param_groups[0]["lr"])
 
     @learning_rate.setter
     def learning_rate(self, value: float) -> None:

@@ -236,6 +236,12 @@ class Steps:
     lr_scheduler: Any  # a torch LRScheduler stepped after every update, or None
 
     # -- pieces ------------------------------------------------------------------------------------
+    def scheduled_learning_rate(self, iteration: int) -> float:
+        """The schedule's rate for the update that batch ``iteration`` (0-based) belongs to:
+        schedules count updates, and with gradient accumulation several batches make one."""
+        accumulation = getattr(self.optimizer, "accumulation_steps", 1)
+        return float(self.schedule.learning_rate_at(iteration // accumulation))
+
     def _device(self) -> torch.device:
         for parameter in self.module.parameters():
             return parameter.device
@@ -312,11 +318,9 @@ class Steps:
                 loss.backward()
             # With gradient accumulation most steps only add to the gradients: schedules count
             # updates, and float16's loss scale is checked and moved at updates only.
-            accumulation = getattr(self.optimizer, "accumulation_steps", 1)
             updates = getattr(self.optimizer, "step_updates", True)
             if first_replica and self.schedule is not None:
-                update = (first_iteration + offset) // accumulation
-                learning_rate = self.schedule.learning_rate_at(update)
+                learning_rate = self.scheduled_learning_rate(first_iteration + offset)
                 for group in self.optimizer.param_groups:
                     group["lr"] = learning_rate
             skipped = False
