@@ -56,6 +56,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 import torch.nn.functional as F
+from mirrored.examples.command_line import example_parser
 from mirrored.examples.devices import add_device_arguments, strategy_from_arguments
 from tokenizers import (
     Tokenizer,
@@ -79,10 +80,7 @@ SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="bert_mlm",
-        description=__doc__.splitlines()[0] if __doc__ else None,
-    )
+    parser = example_parser(__doc__)
     parser.add_argument(
         "--data",
         type=Path,

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from mirrored.examples.command_line import example_parser
 from mirrored.examples.devices import add_device_arguments, positive_int, strategy_from_arguments
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
@@ -34,9 +35,7 @@ Batch = tuple[Tensor, Tensor]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="custom_training_loop", description=__doc__.splitlines()[0] if __doc__ else None
-    )
+    parser = example_parser(__doc__)
     add_device_arguments(parser)
     parser.add_argument(
         "--epochs", type=positive_int, default=10, help="passes over the training set"

@@ -38,6 +38,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from mirrored.examples.command_line import example_parser
 from mirrored.examples.custom_training_loop import eval_step, run_epoch, train_step
 from mirrored.examples.devices import positive_int
 from mirrored.examples.mnist_mlp import build_model, load_digits_split, load_mnist
@@ -48,9 +49,7 @@ from mirrored import checkpoint
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="distributed_loop", description=__doc__.splitlines()[0] if __doc__ else None
-    )
+    parser = example_parser(__doc__)
     parser.add_argument("--data", type=Path, help="MNIST folder (IDX files) or mnist.npz")
     parser.add_argument("--epochs", type=positive_int, default=10)
     parser.add_argument(

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from mirrored.examples.command_line import example_parser
 from mirrored.examples.devices import add_device_arguments, strategy_from_arguments
 from torch import nn
 
@@ -30,9 +31,7 @@ Arrays = tuple[np.ndarray, np.ndarray]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="mnist_mlp", description=__doc__.splitlines()[0] if __doc__ else None
-    )
+    parser = example_parser(__doc__)
     add_device_arguments(parser)
     parser.add_argument("--data", type=Path, help="MNIST folder (IDX files) or mnist.npz")
     parser.add_argument("--epochs", type=int, default=20)

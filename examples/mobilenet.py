@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from mirrored.examples.command_line import example_parser
 from mirrored.examples.devices import add_device_arguments, strategy_from_arguments
 from PIL import Image, ImageOps
 from sklearn.datasets import load_sample_images
@@ -48,7 +49,7 @@ SPLIT_FRACTIONS = (0.8, 0.1, 0.1)  # train, val, test of a --data folder
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = example_parser(__doc__)
     parser.add_argument("--data", type=Path, help="folder with one sub-folder of images per class")
     parser.add_argument(
         "--image-size", type=int, help="image side in pixels (default: 224 with --data, else 64)"

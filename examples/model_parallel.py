@@ -42,6 +42,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from mirrored.examples.command_line import example_parser
 from mirrored.examples.custom_training_loop import eval_step, run_epoch, train_step
 from mirrored.examples.devices import add_device_arguments, devices_from_arguments, positive_int
 from mirrored.examples.mnist_mlp import load_digits_split, load_mnist
@@ -55,9 +56,8 @@ NUM_FEATURES = 28 * 28
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="model_parallel",
-        description=__doc__.splitlines()[0] if __doc__ else None,
+    parser = example_parser(
+        __doc__,
         epilog="The device flags give num_pipelines x stages devices, pipeline by pipeline.",
     )
     add_device_arguments(parser, default_logical=3)

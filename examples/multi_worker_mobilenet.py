@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from mirrored.examples.command_line import example_parser
 from mirrored.examples.devices import positive_int
 from mirrored.examples.distributed_loop import weights_path
 from mirrored.examples.mobilenet import build_model, folder_datasets, photo_crops
@@ -49,9 +50,7 @@ DEFAULT_PORT = 12345
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="multi_worker_mobilenet", description=__doc__.splitlines()[0] if __doc__ else None
-    )
+    parser = example_parser(__doc__)
     cluster = parser.add_argument_group(
         "cluster (when neither TF_CONFIG nor a launcher's RANK/WORLD_SIZE is set)"
     )

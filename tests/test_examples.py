@@ -44,3 +44,14 @@ def test_custom_training_loop_rejects_bad_arguments():
         timeout=60,
     )
     assert result.returncode == 2 and "--devices: 0: expected a positive integer" in result.stderr
+
+
+def test_an_example_run_as_a_script_is_named_by_its_file():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "mobilenet.py"), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert result.stdout.startswith("usage: mobilenet.py [-h]"), result.stdout

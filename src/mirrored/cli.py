@@ -50,7 +50,12 @@ def _train(example: str, flags: Sequence[str]) -> int:
         )
         return 2
     module = importlib.import_module(f"mirrored.examples.{example}")
-    module.main(list(flags))
+    # The example's program name, as its --help and usage errors show it.
+    command_line, sys.argv = sys.argv, [f"mirrored train {example}", *flags]
+    try:
+        module.main(list(flags))
+    finally:
+        sys.argv = command_line
     return 0
 
 
