@@ -2,9 +2,10 @@
 
 ``--devices N`` trains on N physical devices (GPUs when there are any); ``--logical-devices N``
 carves the first device (the first GPU, else the CPU) into N logical devices, as the articles do
-with four 2 GB logical GPUs out of one card; ``--cpu`` uses the CPU even where there is a GPU.
-On a machine without a GPU ``--devices N`` and ``--logical-devices N`` both mean N logical CPU
-devices.
+with four 2 GB logical GPUs out of one card (``--memory-limit``: a logical GPU's MiB; logical CPU
+devices share the host's memory, and ``mirrored.config`` refuses a limit on them);
+``--cpu`` uses the CPU even where there is a GPU. On a machine without a GPU ``--devices N`` and
+``--logical-devices N`` both mean N logical CPU devices.
 """
 
 from __future__ import annotations
@@ -17,12 +18,15 @@ from mirrored import config
 from mirrored.config import LogicalDevice, PhysicalDevice
 
 __all__ = [
+    "GPU_MEMORY_LIMIT",
     "add_device_arguments",
     "devices_from_arguments",
     "logical_devices",
     "positive_int",
     "strategy_from_arguments",
 ]
+
+GPU_MEMORY_LIMIT = 2048  # MiB per logical GPU by default: the articles' four 2 GB GPUs of one card
 
 
 def positive_int(text: str) -> int:
@@ -54,8 +58,8 @@ def add_device_arguments(
     parser.add_argument(
         "--memory-limit",
         type=positive_int,
-        default=2048,
-        help="MiB per logical GPU (ignored on the CPU; default 2048, as the article's)",
+        help=f"MiB per logical GPU (default {GPU_MEMORY_LIMIT}, as the article's); logical CPU "
+        "devices share the host's memory: refused on the CPU",
     )
     parser.set_defaults(default_logical=default_logical, all_gpus_by_default=all_gpus_by_default)
 
@@ -63,17 +67,17 @@ def add_device_arguments(
 def logical_devices(
     physical: PhysicalDevice, count: int, memory_limit: int | None = None
 ) -> list[LogicalDevice]:
-    """The first ``count`` logical devices of ``physical``, splitting it when it is not split.
+    """The first ``count`` logical devices of ``physical``, splitting it when it is not split
+    (``memory_limit``: MiB each, GPUs only).
 
     A split is set once per process: when it already is (a notebook cell run twice, a test
     session), its first ``count`` logical devices are used.
     """
-    limit = memory_limit if physical.device_type == "GPU" else None
     if config.get_logical_device_configuration(physical) is None:
         # RuntimeError: already in use whole, so its one logical device is all there is.
         with contextlib.suppress(RuntimeError):
             config.set_logical_device_configuration(
-                physical, [config.LogicalDeviceConfiguration(memory_limit=limit)] * count
+                physical, [config.LogicalDeviceConfiguration(memory_limit=memory_limit)] * count
             )
     available = [d for d in config.list_logical_devices() if d.physical == physical]
     if len(available) < count:
@@ -95,10 +99,23 @@ def devices_from_arguments(args: argparse.Namespace) -> list[str] | list[Logical
     if physical_count is not None and gpus:
         if physical_count > len(gpus):
             raise ValueError(f"--devices {physical_count}: this machine has {len(gpus)} GPU(s)")
+        if args.memory_limit is not None:
+            raise ValueError(
+                f"--memory-limit {args.memory_limit}: it limits logical GPUs, and --devices "
+                f"{physical_count} trains on whole GPUs; pass --logical-devices N to split the "
+                "first GPU, or leave out --memory-limit"
+            )
         return [f"gpu:{i}" for i in range(physical_count)]
     count = physical_count or args.logical_devices or args.default_logical
-    physical = gpus[0] if gpus else config.list_physical_devices("CPU")[0]
-    return logical_devices(physical, count, args.memory_limit)
+    if not gpus:
+        if args.memory_limit is not None:
+            raise ValueError(
+                f"--memory-limit {args.memory_limit}: memory limits are enforced on GPUs only, "
+                "and these logical devices are the CPU's (they share the host's memory); "
+                "leave out --memory-limit"
+            )
+        return logical_devices(config.list_physical_devices("CPU")[0], count)
+    return logical_devices(gpus[0], count, args.memory_limit or GPU_MEMORY_LIMIT)
 
 
 def strategy_from_arguments(args: argparse.Namespace) -> mirrored.MirroredStrategy:
