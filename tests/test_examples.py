@@ -55,3 +55,16 @@ def test_an_example_run_as_a_script_is_named_by_its_file():
         check=True,
     )
     assert result.stdout.startswith("usage: mobilenet.py [-h]"), result.stdout
+
+
+def test_the_readme_quick_start_runs_as_written():
+    readme = (ROOT / "README.md").read_text()
+    quick_start = readme.split("## Quick start", 1)[1]
+    snippet = quick_start.split("```python\n", 1)[1].split("```", 1)[0]
+    result = subprocess.run(
+        [sys.executable, "-c", snippet], capture_output=True, text=True, timeout=240
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["epoch 1", "epoch 2", "epoch 3"], lines
+    assert all(re.fullmatch(r"epoch \d: last batch's loss \d\.\d{4}", line) for line in lines)
