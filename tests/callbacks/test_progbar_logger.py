@@ -51,16 +51,16 @@ class FakeTerminal(io.StringIO):
 
 
 @pytest.fixture
-def terminal(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[int], FakeTerminal]]:
-    """``terminal(columns)`` makes sys.stdout a terminal of that many columns."""
+def terminal(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[int, int], FakeTerminal]]:
+    """``terminal(columns, lines)`` makes sys.stdout a terminal of that size."""
     termios = pytest.importorskip("termios")
     fcntl = pytest.importorskip("fcntl")
     opened: list[int] = []
 
-    def make(columns: int) -> FakeTerminal:
+    def make(columns: int, lines: int) -> FakeTerminal:
         controller, tty = os.openpty()
         opened.extend((controller, tty))
-        fcntl.ioctl(tty, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
+        fcntl.ioctl(tty, termios.TIOCSWINSZ, struct.pack("HHHH", lines, columns, 0, 0))
         stream = FakeTerminal(tty)
         monkeypatch.setattr(sys, "stdout", stream)
         return stream
@@ -121,10 +121,10 @@ def test_a_notebook_redraws_its_bar(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_on_a_terminal_the_epoch_line_is_never_cut(
-    terminal: Callable[[int], FakeTerminal],
+    terminal: Callable[[int, int], FakeTerminal],
 ) -> None:
     """Only the live bar is fitted to the width; the epoch's line is printed whole."""
-    screen = terminal(120)
+    screen = terminal(120, 40)
     fit(1, evaluate=False)
     written = screen.getvalue()
     lines = [line for line in shown_lines(written) if line]
@@ -137,10 +137,11 @@ def test_on_a_terminal_the_epoch_line_is_never_cut(
     assert live and all(len(piece) <= 120 for piece in live), live
 
 
-def test_a_terminal_that_reports_no_width_gets_80_columns(
-    terminal: Callable[[int], FakeTerminal],
+def test_a_terminal_that_reports_no_size_gets_80_columns(
+    terminal: Callable[[int, int], FakeTerminal],
 ) -> None:
-    screen = terminal(0)
+    """A pseudo-terminal never sized (0 x 0: `script`, some CI runners and containers)."""
+    screen = terminal(0, 0)
     fit(1, evaluate=False)
     written = screen.getvalue()
     live = overdrawn(written)
@@ -151,9 +152,9 @@ def test_a_terminal_that_reports_no_width_gets_80_columns(
 
 
 def test_without_tqdm_a_terminal_gets_a_line_per_epoch(
-    terminal: Callable[[int], FakeTerminal], monkeypatch: pytest.MonkeyPatch
+    terminal: Callable[[int, int], FakeTerminal], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    screen = terminal(120)
+    screen = terminal(120, 40)
     monkeypatch.setitem(sys.modules, "tqdm", None)
     with pytest.warns(UserWarning, match="mirrored\\[progress\\]") as warned:
         fit(1, evaluate=False)

@@ -25,8 +25,9 @@ __all__ = ["ProgbarLogger", "format_logs"]
 # Per-batch logs that are bookkeeping, not results.
 _HIDDEN = {"num_examples"}
 _BAR_WIDTH = 30
-# The width when the terminal reports none (a pseudo-terminal never sized says 0 columns).
-_FALLBACK_COLUMNS = 80
+# The size when the terminal reports none (a pseudo-terminal never sized says 0 x 0; tqdm then
+# draws nothing).
+_FALLBACK_SIZE = os.terminal_size((80, 24))
 
 
 def format_logs(logs: Logs) -> str:
@@ -63,13 +64,15 @@ def _redraws(stream: TextIO) -> bool:
     return bool(isatty is not None and isatty()) or "ipykernel" in sys.modules
 
 
-def _columns(stream: TextIO) -> int:
-    """The width of the terminal behind ``stream``, or 80 where it reports none."""
+def _terminal_size(stream: TextIO) -> os.terminal_size:
+    """The size of the terminal behind ``stream``; 80 x 24 for what it does not report."""
     try:
-        columns = os.get_terminal_size(stream.fileno()).columns
+        size = os.get_terminal_size(stream.fileno())
     except (AttributeError, OSError, ValueError):  # no file descriptor, or not a terminal
-        columns = shutil.get_terminal_size((_FALLBACK_COLUMNS, 24)).columns
-    return columns if columns > 0 else _FALLBACK_COLUMNS
+        size = shutil.get_terminal_size(_FALLBACK_SIZE)
+    return os.terminal_size(
+        (size.columns or _FALLBACK_SIZE.columns, size.lines or _FALLBACK_SIZE.lines)
+    )
 
 
 class ProgbarLogger(Callback):
@@ -109,12 +112,14 @@ class ProgbarLogger(Callback):
 
         total = self.params.get("steps")
         bar_format = "{n_fmt}/{total_fmt} [{bar:30}]{desc}" if total else "{n_fmt}/Unknown{desc}"
+        size = _terminal_size(sys.stdout)
         self._live = tqdm(
             total=total,
             bar_format=bar_format,
             ascii=".=",
             file=sys.stdout,
-            ncols=_columns(sys.stdout),  # tqdm cuts the live line to this width
+            ncols=size.columns,  # tqdm cuts the live line to this width
+            nrows=size.lines,
             leave=False,  # the epoch's full line replaces it (tqdm would cut that one too)
         )
 
