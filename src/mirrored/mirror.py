@@ -18,6 +18,7 @@ A run that fails midway resyncs every replica from replica 0, so they never dive
 from __future__ import annotations
 
 import copy
+import itertools
 import weakref
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from mirrored import torch_compat
 from mirrored.batch_norm import convert_sync_batch_norm, running_stat_buffers
 from mirrored.bucketing import PackedTensors
 from mirrored.buffer_sync import BufferSync
@@ -282,6 +284,12 @@ class MirroredOptimizer(torch.optim.Optimizer):
         self._strategy = strategy
         self.released = False
         self.optimizers = tuple(optimizers)
+        # Per replica: all_reduce_gradients() summed this step's gradients already.
+        self._reduced_early = [False] * len(optimizers)
+        _LIVE_OPTIMIZERS[next(_CREATED)] = self
+        _ORIGINAL_OPTIMIZERS.add(optimizers[0])
+        torch_compat.route_gradient_clipping(_reduce_before_clipping)
+        torch_compat.route_scheduler_steps(_stepped_by_first_replica)
         self._params = [list(p) for p in params]
         self._running_stats = [list(b) for b in running_stats]
         self._packed: list[dict[tuple[bool, ...], PackedTensors]] = [{} for _ in optimizers]
@@ -381,6 +389,39 @@ class MirroredOptimizer(torch.optim.Optimizer):
         if self._window is not None:
             self._window.advance(replica.local_replica_id)
         self.optimizers[replica.local_replica_id].zero_grad(set_to_none=True)
+
+    def all_reduce_gradients(self) -> None:
+        """Inside ``strategy.run``, on every replica: sum the replicas' gradients now, in place,
+        so that ``param.grad`` holds the global batch's gradient before ``step()`` (which then
+        does not sum again): to clip, inspect or log it. torch's ``clip_grad_norm_`` and
+        ``clip_grad_value_`` call it themselves on a mirrored optimizer's parameters. Where
+        gradients are summed during backward (multi-worker) or not at all (local SGD's local
+        updates), nothing to do."""
+        replica = _replica_context_of(self._strategy)
+        if replica is None:
+            raise RuntimeError("all_reduce_gradients() belongs inside strategy.run(), as step()")
+        replica_id = replica.local_replica_id
+        if (
+            self._reducer is not None
+            or replica.num_replicas_in_sync == 1
+            or self._reduced_early[replica_id]
+            or (self._local is not None and self._local.local(replica_id))
+        ):
+            return
+        if self._window is not None or (self._zero is not None and self._zero.stage == 2):
+            raise ValueError(
+                "the replicas' gradients cannot be summed before step() (to clip them) with "
+                "gradient_accumulation_steps > 1 or zero_stage=2, where step() sums them its "
+                "own way; clip with an optimizer that clips, or leave those options off"
+            )
+        _check_dense(self._params[replica_id])
+        grads = [p.grad for p in self._params[replica_id]]
+        self._all_reduce_gradients(replica, self._open_step(replica, grads), in_place=True)
+        self._reduced_early[replica_id] = True
+
+    def holds_gradients(self, replica_id: int, grad_ids: set[int]) -> bool:
+        """Whether any of ``grad_ids`` is the gradient of a parameter of replica ``replica_id``."""
+        return any(id(p.grad) in grad_ids for p in self._params[replica_id] if p.grad is not None)
 
     def step(self, closure: Any = None) -> Any:
         """Sum the gradients of every replica, then update every replica (with ``zero_stage``:
@@ -496,7 +537,9 @@ class MirroredOptimizer(torch.optim.Optimizer):
         optimizer = self.optimizers[replica_id]
         if self._window is not None:  # the window's mean, before any replica sums it
             self._scale_gradients(replica_id, self._window.scale)
-        if replica.num_replicas_in_sync > 1:
+        if self._reduced_early[replica_id]:  # all_reduce_gradients() opened the step
+            self._reduced_early[replica_id] = False
+        elif replica.num_replicas_in_sync > 1:
             # The gradients travel with replica 0's hyperparameters: one sync point opens the
             # step.
             _check_dense(self._params[replica_id])
@@ -507,8 +550,8 @@ class MirroredOptimizer(torch.optim.Optimizer):
                 self._sharded.reduce_gradients(replica_id, everyone)
             else:
                 self._all_reduce_gradients(replica, everyone)
-            if self._running_stats[replica_id]:
-                self._average_running_stats(replica)
+        if replica.num_replicas_in_sync > 1 and self._running_stats[replica_id]:
+            self._average_running_stats(replica)
         if self._zero is not None:
             return self._zero.step(replica)
         if self._sharded is None:
@@ -532,10 +575,14 @@ class MirroredOptimizer(torch.optim.Optimizer):
         return result
 
     def _all_reduce_gradients(
-        self, replica: ReplicaContext, everyone: Sequence[Sequence[torch.Tensor | None]]
+        self,
+        replica: ReplicaContext,
+        everyone: Sequence[Sequence[torch.Tensor | None]],
+        in_place: bool = False,
     ) -> None:
         """Bucketed all-reduce of the gradients any replica has (``everyone``: each replica's
-        gradients as posted at the step's first sync point)."""
+        gradients as posted at the step's first sync point); ``in_place``: written into the
+        gradient tensors a replica has (which others may hold: a clipping function's list)."""
         replica_id = replica.local_replica_id
         params = self._params[replica_id]
         grads = everyone[replica_id]
@@ -555,7 +602,11 @@ class MirroredOptimizer(torch.optim.Optimizer):
         for buffer in packed.buffers:
             self._strategy.cross_device_ops.all_reduce(replica.exchange, buffer)
         for i, view in zip(indices, packed.unpacked(), strict=True):
-            params[i].grad = view
+            grad = params[i].grad
+            if in_place and grad is not None:
+                grad.copy_(view)
+            else:
+                params[i].grad = view
 
     def _average_running_stats(self, replica: ReplicaContext) -> None:
         """BatchNorm running statistics stay identical: their mean over replicas (TensorFlow)."""
@@ -573,11 +624,13 @@ class MirroredOptimizer(torch.optim.Optimizer):
         for replica_id in ids:
             if self._window is None or not self._window.holding(replica_id):
                 self.optimizers[replica_id].zero_grad(set_to_none=set_to_none)
+                self._reduced_early[replica_id] = False
 
     def resync(self) -> None:
         """Give every replica's optimizer replica 0's state (after a step that failed midway;
         with ``zero_stage``, every replica each owner's values of what it owns instead); an
         unfinished accumulation window is dropped with its gradients."""
+        self._reduced_early = [False] * len(self.optimizers)
         if self._window is not None:
             self._window.reset()
             for optimizer in self.optimizers:
@@ -624,6 +677,42 @@ class MirroredOptimizer(torch.optim.Optimizer):
             load_own_copy(optimizer, state_dict)
         if self._sharded is not None:
             self._sharded.share_state()
+
+
+# Live mirrored optimizers by creation (the order every replica visits them in), and the
+# original optimizers they were built from (an LR scheduler may be attached to one).
+_LIVE_OPTIMIZERS: weakref.WeakValueDictionary[int, MirroredOptimizer] = (
+    weakref.WeakValueDictionary()
+)
+_CREATED = itertools.count()
+_ORIGINAL_OPTIMIZERS: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+
+
+def _reduce_before_clipping(grads: list[torch.Tensor]) -> None:
+    """torch's gradient clipping is about to read ``grads``: inside a replica, the mirrored
+    optimizers holding them sum the replicas' gradients first, so it clips the global batch's
+    gradient, as on one device."""
+    replica = current_replica_context()
+    if replica is None or replica.num_replicas_in_sync == 1 or not grads:
+        return
+    grad_ids = {id(g) for g in grads}
+    for _, optimizer in sorted(_LIVE_OPTIMIZERS.items()):
+        if optimizer._strategy is replica.strategy and optimizer.holds_gradients(
+            replica.local_replica_id, grad_ids
+        ):
+            optimizer.all_reduce_gradients()
+
+
+def _stepped_by_first_replica(scheduler: Any) -> bool:
+    """Whether a torch LR scheduler's ``step()`` is skipped here: inside a replica other than
+    this process's first, for a scheduler of a mirrored optimizer (or of the optimizer it was
+    built from). Each replica calling it would advance the schedule once per replica; replica
+    0 steps it, and the others take its hyperparameters at the next update."""
+    replica = current_replica_context()
+    if replica is None or replica.local_replica_id == 0:
+        return False
+    optimizer = getattr(scheduler, "optimizer", None)
+    return isinstance(optimizer, MirroredOptimizer) or optimizer in _ORIGINAL_OPTIMIZERS
 
 
 def _refuse(name: str) -> None:

@@ -10,6 +10,14 @@ read and write the process-wide generators from several replica threads) and run
 recomputation inside the replica's replay instead; elsewhere they call torch's own, unchanged.
 Callers that bound ``checkpoint`` before (Hugging Face's models) go through them too.
 
+Gradient clipping (``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_``) between
+``backward()`` and ``step()`` in a replica would clip the replica's part of the gradient. Both
+functions group the gradients through their module's ``_group_tensors_by_device_and_dtype``
+at every call, whatever name they were imported under: a wrapper there lets the mirrored
+optimizers sum the replicas' gradients first, in place, so that the clipping sees the global
+batch's gradient. torch's LR schedulers stepped inside replicas would advance once per replica:
+their ``step`` methods are wrapped so that a caller may skip them there.
+
 On a torch whose checkpoint module is not what these wrappers expect nothing is wrapped, and
 ``torch.get_rng_state`` refuses on a replica's thread: every checkpoint that preserves the random
 state calls it as its forward begins, so it raises there rather than recompute other masks.
@@ -28,7 +36,13 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 
-__all__ = ["refusing_in_replicas", "route_checkpoint_recomputes", "unrecognised_checkpoint"]
+__all__ = [
+    "refusing_in_replicas",
+    "route_checkpoint_recomputes",
+    "route_gradient_clipping",
+    "route_scheduler_steps",
+    "unrecognised_checkpoint",
+]
 
 # The replay of the calling thread's replica, made as a checkpoint's forward begins; None
 # outside replicas.
@@ -166,3 +180,83 @@ def route_checkpoint_recomputes(replay: Replay) -> None:
         else:
             torch.get_rng_state = refusing_in_replicas(torch.get_rng_state, reason, replay)
         _installed = True
+
+
+_routed: set[str] = set()
+
+
+def _once(name: str, install: Callable[[], None]) -> None:
+    with _install_lock:
+        if name not in _routed:
+            install()
+            _routed.add(name)
+
+
+def unrecognised_clipping(module: ModuleType | Any) -> str | None:
+    """What in torch's clip_grad ``module`` differs from what the clipping route relies on."""
+    for name in ("_get_total_norm", "_clip_grads_with_norm_", "clip_grad_value_"):
+        code = _code(getattr(module, name, None))
+        if code is None or "_group_tensors_by_device_and_dtype" not in code.co_names:
+            return f"{name} does not group gradients through _group_tensors_by_device_and_dtype"
+    return None
+
+
+def route_gradient_clipping(before: Callable[[list[torch.Tensor]], None]) -> None:
+    """From now on, torch's gradient clipping calls ``before(grads)`` with the gradients it is
+    about to read (once a process; see the module's docstring). On a torch whose clip_grad
+    module is not recognised, the public clipping functions are wrapped instead (a caller that
+    imported them by name earlier keeps torch's own)."""
+
+    def install() -> None:
+        module = torch.nn.utils.clip_grad
+        if unrecognised_clipping(module) is None:
+            grouping = module._group_tensors_by_device_and_dtype
+
+            @functools.wraps(grouping)
+            def grouping_after(tensorlistlist: Any, *args: Any, **kwargs: Any) -> Any:
+                before([t for t in tensorlistlist[0] if isinstance(t, torch.Tensor)])
+                return grouping(tensorlistlist, *args, **kwargs)
+
+            module._group_tensors_by_device_and_dtype = grouping_after
+            return
+        for name in ("clip_grad_norm_", "clip_grad_value_"):
+            original = getattr(module, name)
+
+            @functools.wraps(original)
+            def clipping(parameters: Any, *args: Any, __original: Any = original, **kwargs: Any):
+                if isinstance(parameters, torch.Tensor):
+                    parameters = [parameters]
+                parameters = list(parameters)
+                before([p.grad for p in parameters if p.grad is not None])
+                return __original(parameters, *args, **kwargs)
+
+            setattr(module, name, clipping)
+            setattr(torch.nn.utils, name, clipping)
+
+    _once("clipping", install)
+
+
+def route_scheduler_steps(skip: Callable[[Any], bool]) -> None:
+    """From now on, torch's LR schedulers' ``step`` does nothing where ``skip(scheduler)`` (once
+    a process; every class of torch.optim.lr_scheduler that defines its own ``step``)."""
+
+    def install() -> None:
+        schedulers = torch.optim.lr_scheduler
+        for value in list(vars(schedulers).values()):
+            if not (
+                isinstance(value, type)
+                and issubclass(value, (schedulers.LRScheduler, schedulers.ReduceLROnPlateau))
+                and "step" in vars(value)
+            ):
+                continue
+            original = vars(value)["step"]
+
+            @functools.wraps(original)
+            def step(self: Any, *args: Any, __original: Any = original, **kwargs: Any) -> Any:
+                if skip(self):
+                    return None
+                return __original(self, *args, **kwargs)
+
+            value.step = step  # type: ignore[method-assign]
+
+    _once("schedulers", install)
