@@ -1,0 +1,167 @@
+"""A Hugging Face user's custom training loop, plain and under MirroredStrategy.
+
+The plain loop is what the Transformers docs write for a custom loop: AdamW over the model's
+parameters, ``model(**batch).loss``, backward, step, zero_grad. The mirrored loop is the same
+with the strategy's three changes: ``strategy.mirror``, the step in ``strategy.run`` over
+``experimental_distribute_dataset``, and a loss scaled to the global batch (``replica_loss``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
+
+import mirrored
+from tests.reference_loops import assert_same_parameters
+
+VOCAB_SIZE = 100
+Batch = dict[str, torch.Tensor]
+PlainRun = tuple[nn.Module, list[float]]
+ReplicaLoss = Callable[[mirrored.MirroredModule, Batch], torch.Tensor]
+
+
+def adamw(model: nn.Module) -> torch.optim.Optimizer:
+    """AdamW with the epsilon of BERT's own optimizer (1e-6). With torch's 1e-8, Adam turns the
+    float rounding of gradients that are zero in exact arithmetic (GPT-2's attention key bias)
+    into updates of about lr, so that the plain loop itself is not reproducible to 1e-5 under a
+    different summation order."""
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
+
+
+def padded_sequences(
+    generator: torch.Generator, lengths: torch.Tensor, length: int, first_word: int, pad: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random word ids in ``[first_word, vocabulary)`` of the given ``lengths`` (a column),
+    right-padded with ``pad`` to ``length``: the ids and the attention mask."""
+    ids = torch.randint(first_word, VOCAB_SIZE, (lengths.shape[0], length), generator=generator)
+    attention_mask = (torch.arange(length) < lengths).long()
+    return ids.masked_fill(attention_mask == 0, pad), attention_mask
+
+
+def per_token_average(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The replica's part of the mean cross entropy over the global batch's labelled tokens
+    (labels other than -100), from logits [batch, positions, vocabulary]."""
+    labels = labels.flatten()
+    per_token = F.cross_entropy(logits.flatten(0, 1), labels, reduction="none")
+    return mirrored.compute_weighted_average_loss(per_token, labels != -100)
+
+
+@dataclass(frozen=True)
+class LoopOptions:
+    """What the Transformers examples' loops add to the bare loop: gradient clipping by the global
+    norm before ``optimizer.step()`` (``run_mlm_no_trainer.py``, the Trainer's
+    ``max_grad_norm``) and a learning-rate schedule stepped after it (the docs' custom loop).
+    ``schedule_in_step``: the mirrored loop steps the schedule inside the replica function, right
+    after ``optimizer.step()`` as the plain loop does, instead of after ``strategy.run``."""
+
+    max_grad_norm: float | None = None
+    schedule: Callable[[torch.optim.Optimizer], LRScheduler] | None = None
+    schedule_in_step: bool = False
+
+
+def train_plain(
+    model: nn.Module, batches: Sequence[Batch], options: LoopOptions = LoopOptions()
+) -> list[float]:
+    optimizer = adamw(model)
+    scheduler = options.schedule(optimizer) if options.schedule else None
+    model.train()
+    losses = []
+    for batch in batches:
+        loss = model(**batch).loss
+        loss.backward()
+        if options.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), options.max_grad_norm)
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def train_mirrored(
+    model: nn.Module,
+    batches: Sequence[Batch],
+    num_devices: int,
+    replica_loss: ReplicaLoss,
+    options: LoopOptions = LoopOptions(),
+) -> list[float]:
+    """Train ``model`` in place (it becomes replica 0) on ``num_devices`` logical CPU devices;
+    the global loss of every step."""
+    with mirrored.MirroredStrategy([f"cpu:{i}" for i in range(num_devices)]) as strategy:
+        mirrored_model, optimizer = strategy.mirror(model, adamw(model))
+        scheduler = options.schedule(optimizer) if options.schedule else None
+        mirrored_model.train()
+
+        def step(batch: Batch) -> torch.Tensor:
+            loss = replica_loss(mirrored_model, batch)
+            loss.backward()
+            if options.max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(mirrored_model.parameters(), options.max_grad_norm)
+            optimizer.step()
+            if scheduler is not None and options.schedule_in_step:
+                scheduler.step()
+            optimizer.zero_grad()
+            return loss
+
+        losses = []
+        for batch in strategy.experimental_distribute_dataset(batches):
+            losses.append(strategy.reduce("sum", strategy.run(step, args=(batch,)), axis=None))
+            if scheduler is not None and not options.schedule_in_step:
+                scheduler.step()
+        return [loss.item() for loss in losses]
+
+
+def assert_reproducible_with_dropout(
+    make_model: Callable[[], nn.Module], batches: Sequence[Batch], replica_loss: ReplicaLoss
+) -> None:
+    """Two mirrored runs after the same ``torch.manual_seed`` are bitwise identical (parameters
+    and losses); a run after another seed is not, so dropout does draw."""
+
+    def run(seed: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+        model = make_model()
+        torch.manual_seed(seed)
+        losses = train_mirrored(model, batches, 2, replica_loss)
+        return losses, model.state_dict()
+
+    first_losses, first = run(5)
+    again_losses, again = run(5)
+    other_losses, other = run(6)
+    assert again_losses == first_losses
+    for name, value in first.items():
+        assert torch.equal(again[name], value), name
+    assert other_losses != first_losses
+    assert any(not torch.equal(other[name], value) for name, value in first.items())
+
+
+def run_plain(
+    make_model: Callable[[], nn.Module],
+    batches: Sequence[Batch],
+    options: LoopOptions = LoopOptions(),
+) -> PlainRun:
+    """A new model trained by the plain loop, and its losses."""
+    model = make_model()
+    return model, train_plain(model, batches, options)
+
+
+def assert_mirrored_equals_plain(
+    plain: PlainRun,
+    make_model: Callable[[], nn.Module],
+    batches: Sequence[Batch],
+    num_devices: int,
+    replica_loss: ReplicaLoss,
+    options: LoopOptions = LoopOptions(),
+) -> None:
+    """A new model trained by the mirrored loop ends with the parameters of the ``plain`` run
+    (``run_plain`` on the same batches and options), and its losses are the plain loop's."""
+    expected, expected_losses = plain
+    model = make_model()
+    losses = train_mirrored(model, batches, num_devices, replica_loss, options)
+    assert_same_parameters(expected, model, rtol=1e-5, atol=1e-5)
+    assert losses == pytest.approx(expected_losses, abs=1e-5)
