@@ -107,31 +107,13 @@ def test_a_transformers_schedule_on_the_mirrored_optimizer_stepped_after_each_ru
     _assert_equals_the_plain_loop(LoopOptions(schedule=_warmup_then_linear_decay))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="lr_scheduler.step() inside the replica function, right after optimizer.step() where "
-    "the Transformers docs' custom loop has it, runs once per replica: on 2 replicas the "
-    "schedule advances 2 steps per update (the fourth update runs at LR 0 where the plain loop's "
-    "runs at half the peak), silently, and the parameters end 1.3e-3 away from the plain "
-    "loop's. Expected: the plain loop's schedule (one step per update), or a clear error saying "
-    "to step the schedule after strategy.run.",
-)
 def test_a_schedule_stepped_inside_the_replica_function():
+    """Where the Transformers docs' custom loop steps it: after optimizer.step(), in the step."""
     _assert_equals_the_plain_loop(
         LoopOptions(schedule=_warmup_then_linear_decay, schedule_in_step=True)
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5) between loss.backward() and "
-    "optimizer.step() inside the replica function (run_mlm_no_trainer.py, the Trainer's "
-    "max_grad_norm) clips each replica's own partial gradient by its own norm (2.7 on one "
-    "device for the first batch), not the global gradient: silently, the parameters end 5e-3 "
-    "away from the plain loop's. Expected: the plain loop's result, as the multi-worker "
-    "strategy gives (param.grad is the reduced gradient after backward), or a clear error.",
-)
 def test_gradient_clipping_by_the_global_norm_inside_the_replica_function():
+    """run_mlm_no_trainer.py and the Trainer's max_grad_norm clip between backward and step."""
     _assert_equals_the_plain_loop(LoopOptions(max_grad_norm=0.5))
