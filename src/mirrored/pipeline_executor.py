@@ -220,20 +220,23 @@ class StageExecutor:
             grads, self._grads = self._grads, {}
         return [(self._params[i], g) for i, g in sorted(grads.items())]
 
-    def end_run(self, deadline: float | None) -> bool:
-        """Forget the run's operations and activations (the run is over or failed); False if
-        an operation is still running at ``deadline`` (stuck in the stage's code)."""
+    def end_run(self, deadline: float | None) -> None:
+        """Forget the run's operations and activations (the run is over or failed). An
+        operation still running is waited for until ``deadline``, not at all when the run
+        timed out (the micro-batch waiting for it has waited its whole timeout); past that it is
+        left to finish, and what it produces is dropped (it belongs to no run)."""
         with self._cond:
-            self._run = None  # nothing more is scheduled
-            while self._busy:
+            run, self._run = self._run, None  # nothing more is scheduled
+            timed_out = run is not None and _timed_out(run.rendezvous)
+            while self._busy and not timed_out:
                 if deadline is not None and time.monotonic() > deadline:
-                    return False
+                    break
                 self._cond.wait(_POLL_SECONDS)
             self._forwards.clear()
             self._backwards.clear()
             self._saved.clear()
             self._grads.clear()
-        return True
+            self._activation_bytes = 0
 
     def close(self) -> None:
         with self._cond:
@@ -336,6 +339,8 @@ class StageExecutor:
                     kept = None if self._pipeline.recompute else output
                     saved = _Saved(leaves, kept, rng_id, nbytes)
                     with self._cond:
+                        if self._run is not run:  # the run ended without this operation
+                            return
                         self._saved[key] = saved
                         self._activation_bytes += nbytes
                         self.timeline.peak_activation_bytes = max(
@@ -351,10 +356,10 @@ class StageExecutor:
                 f"in pipeline stage {self.index} on {self.device.short_name} (forward of "
                 f"micro-batch {key[1]})",
             )
-            self._pipeline.forward_done(self.index, key, None, error, grad_enabled)
+            self._pipeline.forward_done(run, self.index, key, None, error, grad_enabled)
             return
         self.timeline.ops.append(OpRecord("F", key[0], key[1], start, time.perf_counter()))
-        self._pipeline.forward_done(self.index, key, result, None, grad_enabled)
+        self._pipeline.forward_done(run, self.index, key, result, None, grad_enabled)
 
     def _forward_keeping_graph(self, leaves: Any) -> tuple[Any, int]:
         """The stage's output on ``leaves``, and the bytes kept for its backward (the inputs,
@@ -408,10 +413,13 @@ class StageExecutor:
                         allow_unused=True,
                     )
                 input_grads = dict(zip(map(id, inputs), results[: len(inputs)], strict=True))
-                for index, grad in zip(trained, results[len(inputs) :], strict=True):
-                    if grad is not None:
-                        total = self._grads.get(index)
-                        self._grads[index] = grad if total is None else total.add_(grad)
+                with self._cond:
+                    if self._run is not run:  # the run ended without this operation
+                        return
+                    for index, grad in zip(trained, results[len(inputs) :], strict=True):
+                        if grad is not None:
+                            total = self._grads.get(index)
+                            self._grads[index] = grad if total is None else total.add_(grad)
                 upstream = map_structure(
                     lambda v: input_grads.get(id(v)) if isinstance(v, torch.Tensor) else None,
                     saved.leaves,
@@ -427,9 +435,18 @@ class StageExecutor:
             return
         finally:
             with self._cond:
-                self._activation_bytes -= saved.nbytes
+                if self._run is run:  # else end_run forgot the run's activations already
+                    self._activation_bytes -= saved.nbytes
         self.timeline.ops.append(OpRecord("B", key[0], key[1], start, time.perf_counter()))
         self._pipeline.backward_done(run, self.index, key, handoff)
+
+
+def _timed_out(rendezvous: Rendezvous) -> bool:
+    """The run failed on a timeout (or was released by one)."""
+    reason = rendezvous.abort_reason
+    return isinstance(reason, SyncTimeoutError) or isinstance(
+        getattr(reason, "__cause__", None), SyncTimeoutError
+    )
 
 
 def _leaf(value: Any) -> Any:
@@ -512,12 +529,16 @@ class Pipeline:
 
     def forward_done(
         self,
+        run: PipelineRun,
         stage: int,
         key: Key,
         result: _Handoff | None,
         error: BaseException | None,
         grad_enabled: bool,
     ) -> None:
+        with self._lock:
+            if run is not self._run:  # an operation the run gave up on: its result goes nowhere
+                return
         if error is None and stage + 1 < self.num_stages:
             assert result is not None
             self.executors[stage + 1].submit_forward(key, result, grad_enabled)
@@ -544,6 +565,9 @@ class Pipeline:
             return {key[1] for key in self._coming}
 
     def backward_done(self, run: PipelineRun, stage: int, key: Key, grads: _Handoff | None) -> None:
+        with self._lock:
+            if run is not self._run:  # an operation the run gave up on
+                return
         if stage > 0:
             assert grads is not None
             try:
@@ -579,14 +603,17 @@ class Pipeline:
         return [pair for executor in self.executors for pair in executor.take_gradients()]
 
     def end_run(self, deadline: float | None) -> list[str]:
-        """Forget the run; the devices of stages still stuck in an operation at ``deadline``."""
-        stuck = [e.device.short_name for e in self.executors if not e.end_run(deadline)]
+        """Forget the run. An operation still running is left to finish on its own (see
+        ``StageExecutor.end_run``); the next run's operations on that stage wait for it, within
+        their timeout. Returns no stage: none is ever left unusable."""
+        for executor in self.executors:
+            executor.end_run(deadline)
         with self._lock:
             self._run = None
             for waiter in self._results.values():
                 waiter.set(error=RuntimeError("the run ended before this micro-batch's forward"))
             self._results = {}
-        return stuck
+        return []
 
     def describe(self) -> str:
         """What each stage is running now (for timeout errors)."""

@@ -473,6 +473,40 @@ def train_forever(out: Path, timeout_seconds: str = "5", hang_rank: str = "-1") 
             time.sleep(0.01)
 
 
+def hung_peer(out: Path, timeout_seconds: str, where: str) -> None:
+    """Worker 1 stops in its fourth step, ``where`` "between" steps, "inside" its replica
+    function, or in its last "replica" only (run it with two replicas per worker), writing when
+    it stopped. Every worker whose step fails records how long after that it failed."""
+    with _strategy(float(timeout_seconds)) as strategy:
+        rank = strategy.worker_group.rank
+        last_replica = strategy.num_replicas_in_sync - 1
+        model = make_mlp()
+        mirrored_model, optimizer = strategy.mirror(model, torch.optim.SGD(model.parameters(), 0.1))
+        train = _training_step(mirrored_model, optimizer)
+        stopped = out / "stopped"
+
+        def stop() -> None:
+            stopped.write_text(repr(time.time()))
+            time.sleep(1000)
+
+        def step(x: torch.Tensor, y: torch.Tensor, number: int) -> None:
+            replica = mirrored.get_replica_context().replica_id_in_sync_group
+            stops = where == "inside" or (where == "replica" and replica == last_replica)
+            if rank == 1 and number == 3 and stops:
+                stop()
+            train(x, y)
+
+        batches = list(strategy.experimental_distribute_dataset(make_batches()[:1])) * 6
+        try:
+            for number, (x, y) in enumerate(batches):
+                if rank == 1 and number == 3 and where == "between":
+                    stop()
+                strategy.run(step, args=(x, y, number))
+        except Exception as error:
+            waited = time.time() - float(stopped.read_text())
+            _save(strategy, out, {"waited": waited, "error": f"{type(error).__name__}: {error}"})
+
+
 def caught_failure(out: Path, failing_rank: str) -> None:
     """``failing_rank`` raises in its third step; every worker catches each step's error and
     goes on, recording (step, error type, message, seconds into the step)."""
@@ -589,6 +623,7 @@ JOBS: dict[str, Callable[..., None]] = {
         checkpoint_faults,
         train_forever,
         caught_failure,
+        hung_peer,
         mismatched_all_reduce,
         different_models,
         uneven_input,

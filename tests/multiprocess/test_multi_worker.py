@@ -454,6 +454,31 @@ def test_a_hung_worker_times_the_others_out_naming_it(tmp_path: Path, implementa
     assert "for 3.0 s: worker 1 is at" in workers[0].output, workers[0].output[-1500:]
 
 
+@pytest.mark.parametrize(
+    ("where", "logical_devices", "failing"),
+    [("between", 1, [0]), ("replica", 2, [0, 1])],
+)
+def test_a_stopped_worker_or_replica_fails_the_steps_within_the_timeout(
+    tmp_path: Path, where: str, logical_devices: int, failing: list[int]
+) -> None:
+    # Worker 1 stops between steps, or one of its two replicas stops inside its step; each
+    # worker that fails must do so once, after the timeout and the peers' diagnosis (2 s), not
+    # after the timeout repeated (worker 1's stuck replica used to fail it after 3 x 3 s). The
+    # margin is generous for a loaded machine.
+    workers = start_workers(
+        "hung_peer", tmp_path, args=["3", where], logical_devices=logical_devices
+    )
+    try:
+        for rank in failing:  # they end after their error; the other one sleeps on
+            workers[rank].output, _ = workers[rank].process.communicate(timeout=120)
+    finally:
+        kill_workers(workers)
+    results = _results(tmp_path, len(failing))
+    for rank, result in enumerate(results):
+        assert result["error"].startswith("SyncTimeoutError"), result["error"]
+        assert result["waited"] < 3 + 2 + 3, (rank, result)
+
+
 @pytest.mark.parametrize("failing_rank", [0, 1])
 def test_a_step_failing_on_one_worker_ends_every_worker_s_collectives(
     tmp_path: Path, failing_rank: int
