@@ -91,15 +91,34 @@ def test_a_checkpoint_that_does_not_fit_is_refused_naming_what() -> None:
     model, stores = _mirror(_module(), 2, FixedShardsPartitioner(2))
     saved = gather(model, [store.state_dict() for store in stores])
     wrong_shape = {**saved, "model": {**saved["model"], "0.weight": torch.zeros(6, 4)}}
-    with pytest.raises(ValueError, match=r"'0.weight' has shape \[6, 4\], the model's is \[5, 4\]"):
+    with pytest.raises(ValueError, match=r"0.weight: checkpoint \(6, 4\), model \(5, 4\)"):
         scatter(model, wrong_shape, 2)
     missing = {**saved, "model": {k: v for k, v in saved["model"].items() if k != "2.bias"}}
-    with pytest.raises(ValueError, match=r"missing \['2.bias'\]"):
+    with pytest.raises(ValueError, match=r"missing keys \['2.bias'\]"):
         scatter(model, missing, 2)
     groups = [{**saved["optimizer"]["param_groups"][0], "params": [0, 1, 2, 3, 4, 5]}]
     one_group = {**saved, "optimizer": {**saved["optimizer"], "param_groups": groups}}
-    with pytest.raises(ValueError, match=r"groups of \[6\] parameters, this one \[2, 4\]"):
+    with pytest.raises(
+        ValueError, match=r"groups of \[6\] parameters, the model's optimizer \[2, 4\]"
+    ):
         scatter(model, one_group, 2)
+
+
+def test_a_checkpoint_of_another_optimizer_or_with_a_non_tensor_is_refused_whole() -> None:
+    model, stores = _mirror(_module(), 2, FixedShardsPartitioner(2))
+    _train(model, stores, 2)
+    saved = gather(model, [store.state_dict() for store in stores])
+    listed = {**saved, "model": {**saved["model"], "2.bias": [0.0, 0.0, 0.0]}}
+    with pytest.raises(ValueError, match=r"2\.bias: checkpoint list, model a tensor"):
+        scatter(model, listed, 2)
+    groups = [{k: v for k, v in g.items() if k != "lr"} for g in saved["optimizer"]["param_groups"]]
+    without_lr = {**saved, "optimizer": {**saved["optimizer"], "param_groups": groups}}
+    with pytest.raises(ValueError, match=r"parameter group 0 has no \['lr'\]"):
+        scatter(model, without_lr, 2)
+    state = {**saved["optimizer"]["state"], 3: torch.zeros(3)}
+    not_a_dict = {**saved, "optimizer": {**saved["optimizer"], "state": state}}
+    with pytest.raises(ValueError, match=r"parameter 3 is a tensor of shape \(3,\), not a dict"):
+        scatter(model, not_a_dict, 2)
 
 
 def test_the_hyperparameters_saved_are_the_handle_s_current_ones_and_restore_into_it() -> None:

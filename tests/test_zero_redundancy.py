@@ -111,6 +111,36 @@ def test_a_parameter_larger_than_1_over_n_is_shared_by_several_owners(
         assert_same_parameters(expected, resumed_model.module)
 
 
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_an_optimizer_state_that_does_not_fit_changes_no_replica(zero_stage: int) -> None:
+    batches = make_batches(num_examples=2 * 16, batch_size=16)
+    sgd_model = make_mlp()
+    sgd = sgd_momentum(sgd_model)
+    train_plain(sgd_model, sgd, batches)
+    model = make_mlp()
+    with mirrored.MirroredStrategy(DEVICES[:2], zero_stage=zero_stage) as strategy:
+        mirrored_model, optimizer, _ = train_mirrored(
+            strategy, model, torch.optim.Adam(model.parameters(), lr=1e-2), batches
+        )
+        before = copy.deepcopy(optimizer.state_dict())
+        replicas = [copy.deepcopy(o.state_dict()) for o in optimizer.optimizers]
+        with pytest.raises(ValueError, match=r"has no \['betas', 'eps'\] .*saved by SGD\?"):
+            optimizer.load_state_dict(sgd.state_dict())
+        with pytest.raises(ValueError, match=r"has no 'step' .*saved by Muon or SGD\?"):
+            optimizer.load_state_dict({**sgd.state_dict(), "param_groups": before["param_groups"]})
+        assert_same_state(before, optimizer.state_dict())
+        for replica, saved in zip(optimizer.optimizers, replicas, strict=True):
+            assert_same_state(saved, replica.state_dict())
+        strategy.run(
+            _replica_step,
+            (
+                next(iter(strategy.experimental_distribute_dataset(batches))),
+                mirrored_model,
+                optimizer,
+            ),
+        )
+
+
 def _step_keeping_gradients(batch: Batch, model, optimizer) -> None:
     x, y = batch
     loss = mirrored.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"))

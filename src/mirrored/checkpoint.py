@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from mirrored.state_checks import check_module_state, first_non_finite
+
 __all__ = ["all_finite", "check_module_state", "load", "load_module_state", "save"]
 
 PathLike = str | os.PathLike[str]
@@ -45,11 +47,7 @@ def save(obj: Any, path: PathLike) -> Path:
 def all_finite(state_dict: Mapping[str, Any]) -> bool:
     """True when no floating tensor of ``state_dict`` holds a NaN or an infinity: the test a
     backup passes before it may replace the last good one."""
-    return all(
-        bool(torch.isfinite(value).all())
-        for value in state_dict.values()
-        if isinstance(value, torch.Tensor) and value.is_floating_point()
-    )
+    return first_non_finite(state_dict) is None
 
 
 def _fsync_folder(folder: Path) -> None:
@@ -79,35 +77,6 @@ def load(path: PathLike, map_location: str | torch.device = "cpu") -> Any:
             f"{str(source)!r} is not a readable checkpoint (truncated, corrupt, or it holds "
             f"objects other than tensors, numbers, strings, lists and dicts): {error}"
         ) from error
-
-
-def check_module_state(module: Any, state_dict: Mapping[str, Any], source: str) -> None:
-    """Raise a ValueError naming every missing key, unexpected key and shape mismatch between
-    ``state_dict`` and ``module`` (an ``nn.Module`` or a mirrored one)."""
-    if not isinstance(state_dict, Mapping):
-        raise ValueError(f"{source}: expected a state dict (a mapping), got {type(state_dict)}")
-    expected = module.state_dict()
-    missing = sorted(set(expected) - set(state_dict))
-    unexpected = sorted(set(state_dict) - set(expected))
-    mismatched = [
-        f"{key}: checkpoint {tuple(state_dict[key].shape)}, model {tuple(value.shape)}"
-        for key, value in expected.items()
-        if key in state_dict
-        and isinstance(state_dict[key], torch.Tensor)
-        and state_dict[key].shape != value.shape
-    ]
-    problems = []
-    if missing:
-        problems.append(f"missing keys {missing}")
-    if unexpected:
-        problems.append(f"unexpected keys {unexpected}")
-    if mismatched:
-        problems.append(f"different shapes ({'; '.join(mismatched)})")
-    if problems:
-        raise ValueError(
-            f"{source} does not fit this model: {', '.join(problems)}. Load weights saved from "
-            "the same architecture; nothing was loaded"
-        )
 
 
 def load_module_state(module: Any, state_dict: Mapping[str, Any], source: str) -> None:

@@ -6,7 +6,8 @@ The coordinator reads each mirrored model's shards and their optimizer state fro
 parameter index, the parameter groups with their hyperparameters). So a checkpoint restores with
 any number of ps tasks and any partitioner, and loads into the plain module and optimizer too
 (``torch.load(path, weights_only=True)["models"][0]``). Restoring cuts the tensors again by the
-current plan and checks everything before any ps task receives anything.
+current plan and checks everything (:mod:`mirrored.state_checks`) before any ps task receives
+anything.
 
 Optimizer state is reassembled per parameter: a tensor with one row per row of the shard (Adam's
 moments) is concatenated along dim 0; any other value (a step count) must be the same in every
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 
 from mirrored.partitioners import ShardSpec
+from mirrored.state_checks import check_module_state, check_optimizer_groups_state
 
 __all__ = ["FORMAT", "MirroredModel", "gather", "load_hyperparameters", "scatter"]
 
@@ -87,29 +89,26 @@ def gather(model: MirroredModel, states: Sequence[Mapping[str, Any]]) -> dict[st
 def scatter(model: MirroredModel, saved: Mapping[str, Any], num_ps: int) -> list[dict[str, Any]]:
     """Each ps task's state (``ShardStore.load_state_dict``) from a model's saved entry; raises
     before returning anything when the entry does not fit the model."""
-    expected = model.module.state_dict()
+    if not isinstance(saved, Mapping) or not {"model", "optimizer"} <= set(saved):
+        raise ValueError(
+            f"the checkpoint's entry for the model is {type(saved).__name__} "
+            f"{sorted(saved) if isinstance(saved, Mapping) else ''}, expected a dict of 'model' "
+            "and 'optimizer'"
+        )
     state_dict, optimizer = saved["model"], saved["optimizer"]
-    if state_dict.keys() != expected.keys():
-        missing, unexpected = expected.keys() - state_dict.keys(), state_dict.keys() - expected
-        raise ValueError(
-            f"the checkpoint does not fit the model: missing {sorted(missing)}, unexpected "
-            f"{sorted(unexpected)}"
-        )
-    for name, value in state_dict.items():
-        if value.shape != expected[name].shape:
-            raise ValueError(
-                f"the checkpoint's {name!r} has shape {list(value.shape)}, the model's is "
-                f"{list(expected[name].shape)}"
-            )
-    sizes = [len(names) for names, _ in model.param_groups]
-    saved_sizes = [len(group["params"]) for group in optimizer["param_groups"]]
-    if sizes != saved_sizes:
-        raise ValueError(
-            f"the checkpoint's optimizer has parameter groups of {saved_sizes} parameters, "
-            f"this one {sizes}"
-        )
+    check_module_state(model.module, state_dict, "the checkpoint")
+    parameters = dict(model.module.named_parameters())
+    check_optimizer_groups_state(
+        [
+            {**hyper, "params": [parameters[name] for name in names]}
+            for names, hyper in model.param_groups
+        ],
+        optimizer,
+        "the checkpoint",
+    )
     names = model.parameter_names()
-    by_name = {names[int(index)]: state for index, state in optimizer["state"].items()}
+    saved_ids = [i for group in optimizer["param_groups"] for i in group["params"]]
+    by_name = {names[saved_ids.index(i)]: state for i, state in optimizer["state"].items()}
     current = dict(model.module.named_parameters()) | dict(model.module.named_buffers())
     tasks: list[dict[str, Any]] = [{"shards": {}, "optimizer": {}} for _ in range(num_ps)]
     for shard in model.shards:

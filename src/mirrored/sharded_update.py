@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from mirrored.state_checks import check_optimizer_state
+
 __all__ = [
     "PER_PARAMETER_OPTIMIZERS",
     "ShardedUpdate",
@@ -123,11 +125,13 @@ def hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_own_copy(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
-    """Load ``state_dict`` into ``optimizer`` without sharing its tensors.
+    """Load ``state_dict`` into ``optimizer`` without sharing its tensors, once it is checked
+    to fit (``state_checks.check_optimizer_state``: a state that does not fit changes nothing).
 
     ``Optimizer.load_state_dict`` keeps tensors already on the right device, so replicas on
     logical devices of one physical device would share (and update N times) the same state.
     """
+    check_optimizer_state(optimizer, state_dict, "the optimizer state")
     optimizer.load_state_dict(copy.deepcopy(state_dict))
 
 

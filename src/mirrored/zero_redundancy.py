@@ -50,6 +50,7 @@ from mirrored.sharded_update import (
     step_owned,
     sum_owned_gradients,
 )
+from mirrored.state_checks import check_optimizer_state
 
 if TYPE_CHECKING:
     from mirrored.context import ReplicaContext
@@ -609,7 +610,9 @@ class ZeroRedundancy:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Give each local replica's optimizer the hyperparameters and its owned share of
         ``state_dict``'s state (a plain single-optimizer state dict), its pieces' ranges
-        included; torch's loading puts each tensor where the optimizer keeps it."""
+        included; torch's loading puts each tensor where the optimizer keeps it. The whole
+        state is checked first: one that does not fit changes no replica."""
+        check_optimizer_state(self.optimizers[0], state_dict, "the optimizer state")
         states = state_dict["state"]
         for r, optimizer in enumerate(self.optimizers):
             owned = {self._index[i] for i in self._whole[r]}

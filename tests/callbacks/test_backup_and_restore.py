@@ -162,6 +162,42 @@ def test_a_backup_of_something_else_is_refused(tmp_path: Path) -> None:
         run(1, "arrays", [mirrored.callbacks.BackupAndRestore(tmp_path)])
 
 
+def test_a_backup_that_does_not_fit_the_model_restores_nothing(tmp_path: Path) -> None:
+    backup = mirrored.callbacks.BackupAndRestore(tmp_path, save_freq=1, delete_checkpoint=False)
+    with pytest.raises(Crash):
+        run(2, "arrays", [CrashAt(20), backup])
+    saved = checkpoint.load(backup.path)
+    assert saved["callbacks"][1]["state"]["best"] is not None  # EarlyStopping's, after History
+    for group in saved["training"]["optimizer"]["param_groups"]:  # as SGD would have saved it
+        del group["betas"], group["eps"]
+    checkpoint.save(saved, backup.path)
+    torch.manual_seed(1)
+    module = nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 5))
+    weights = {k: v.clone() for k, v in module.state_dict().items()}
+    early = mirrored.callbacks.EarlyStopping(monitor="loss", patience=5)
+    fresh = early.state_dict()
+    with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
+        with strategy.scope():
+            model = mirrored.Model(module)
+            model.compile(optimizer="adam", loss=mirrored.losses.SparseCategoricalCrossentropy())
+        with pytest.raises(ValueError, match=r"group 0 has no \['betas', 'eps'\]"):
+            model.fit(*dataset(), batch_size=16, verbose=0, callbacks=[early, backup])
+        assert early.state_dict() == fresh
+        assert_identical(weights, model.state_dict())
+        assert model._iterations == 0
+
+
+def test_a_damaged_backup_is_refused_naming_the_part(tmp_path: Path) -> None:
+    backup = mirrored.callbacks.BackupAndRestore(tmp_path, save_freq=1, delete_checkpoint=False)
+    with pytest.raises(Crash):
+        run(1, "arrays", [CrashAt(3), backup])
+    saved = checkpoint.load(backup.path)
+    saved["progress"] = {"epoch": 0}
+    checkpoint.save(saved, backup.path)
+    with pytest.raises(ValueError, match=r"damaged backup: \['progress'\]"):
+        run(1, "arrays", [backup])
+
+
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="save_freq"):
         mirrored.callbacks.BackupAndRestore("x", save_freq=0)

@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import mirrored
+from mirrored import checkpoint
 from tests.reference_loops import assert_replicas_identical, assert_same_parameters, make_mlp
 
 NUM_EXAMPLES, BATCH, FEATURES, CLASSES = 203, 16, 12, 5  # 203 = 12 * 16 + 11: a ragged last batch
@@ -362,6 +363,59 @@ def test_load_weights_that_do_not_fit_loads_nothing(tmp_path: Path) -> None:
             model.load(tmp_path / "other.pt")
     for name, value in model.state_dict().items():
         assert torch.equal(value, before[name])
+
+
+def test_load_of_another_optimizer_s_training_state_changes_nothing(tmp_path: Path) -> None:
+    x, y, _ = data()
+    with strategy_for(2) as strategy:
+        with strategy.scope():
+            sgd = mirrored.Model(make_mlp(FEATURES, CLASSES))
+            sgd.compile(
+                optimizer=torch.optim.SGD(sgd.parameters(), lr=0.1, momentum=0.9),
+                loss=mirrored.losses.SparseCategoricalCrossentropy(from_logits=True),
+            )
+        sgd.fit(x, y, batch_size=BATCH, verbose=0)
+        sgd.save(tmp_path / "sgd.pt")
+        model = compiled(strategy, make_mlp(FEATURES, CLASSES, seed=7))
+        model.fit(x[:32], y[:32], batch_size=BATCH, verbose=0)
+        weights = copy.deepcopy(model.state_dict())
+        optimizer = copy.deepcopy(model.optimizer.state_dict())
+        # torch took SGD's hyperparameters, then failed on KeyError: 'step' (the next fit on
+        # KeyError: 'betas')
+        with pytest.raises(
+            ValueError, match=r"group 0 has no \['betas', 'eps'\] \(.*saved by SGD\?\)"
+        ):
+            model.load(tmp_path / "sgd.pt")
+        saved = checkpoint.load(tmp_path / "sgd.pt")
+        saved["optimizer"]["param_groups"] = optimizer["param_groups"]
+        checkpoint.save(saved, tmp_path / "mixed.pt")
+        with pytest.raises(ValueError, match=r"parameter \d+ has no 'step' .*saved by .*SGD\?"):
+            model.load(tmp_path / "mixed.pt")
+        state = {"format": "mirrored.model/1", **model.training_state()}
+        state["model"] = {k: v + 1 for k, v in state["model"].items()}
+        state["loss_scale"] = {"scale": float("nan"), "good_steps": 0}
+        checkpoint.save(state, tmp_path / "scaled.pt")
+        with pytest.raises(ValueError, match=r"the loss scale is nan, expected a finite number"):
+            model.load(tmp_path / "scaled.pt")
+        for name, value in model.state_dict().items():
+            assert torch.equal(value, weights[name]), name
+        assert model.optimizer.state_dict()["param_groups"] == optimizer["param_groups"]
+        assert_replicas_identical(model._replicas)
+        model.fit(x, y, batch_size=BATCH, verbose=0)  # still trains
+
+
+def test_load_weights_with_an_entry_that_is_not_a_tensor_loads_nothing(tmp_path: Path) -> None:
+    with strategy_for(2) as strategy:
+        model = compiled(strategy, make_mlp(FEATURES, CLASSES))
+        before = copy.deepcopy(model.state_dict())
+        saved = {k: v + 1 for k, v in before.items()}
+        saved[list(saved)[-1]] = [0.0] * CLASSES  # torch copied the others, then failed
+        checkpoint.save(saved, tmp_path / "listed.pt")
+        with pytest.raises(ValueError, match=r"checkpoint list, model a tensor.*nothing was"):
+            model.load_weights(tmp_path / "listed.pt")
+        for name, value in model.state_dict().items():
+            assert torch.equal(value, before[name]), name
+        assert_replicas_identical(model._replicas)
 
 
 def test_summary_counts_parameters() -> None:

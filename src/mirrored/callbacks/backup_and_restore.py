@@ -61,16 +61,21 @@ class BackupAndRestore(Callback):
         )
 
     def _restore(self) -> None:
+        """All or nothing: the backup's parts are checked first, the training state against the
+        model (``Model.load_training_state``), and the callbacks take their old states back if
+        any part fails to load."""
         backup = checkpoint.load(self.path)
-        if not isinstance(backup, dict) or backup.get("format") != _FORMAT:
-            raise ValueError(
-                f"{str(self.path)!r} is not a mirrored backup (format "
-                f"{backup.get('format') if isinstance(backup, dict) else type(backup)}); point "
-                "backup_dir at a folder of its own"
-            )
+        _check_backup(backup, repr(str(self.path)))
         model = self._model()
-        model.load_training_state(backup["training"])
-        self._restore_callbacks(backup["callbacks"])
+        others = self._other_callbacks()
+        before = [callback.state_dict() for callback in others]
+        try:
+            self._restore_callbacks(backup["callbacks"])
+            model.load_training_state(backup["training"], repr(str(self.path)))
+        except BaseException:
+            for callback, state in zip(others, before, strict=True):
+                callback.load_state_dict(state)
+            raise
         model._resume_from(
             backup["progress"], backup["rng"], backup["epoch_rng"], backup["metrics"]
         )
@@ -83,7 +88,13 @@ class BackupAndRestore(Callback):
         fresh = []
         for key, callback in zip(_keys([type(c).__name__ for c in others]), others, strict=True):
             if key in saved:
-                callback.load_state_dict(saved[key]["state"])
+                try:
+                    callback.load_state_dict(saved[key]["state"])
+                except Exception as error:
+                    raise ValueError(
+                        f"the backup in {str(self.backup_dir)!r} holds a state for {key[0]} that "
+                        f"it cannot load ({error!r}); nothing was restored"
+                    ) from error
             elif callback.state_dict():
                 fresh.append(key[0])
         if fresh:
@@ -152,6 +163,39 @@ class BackupAndRestore(Callback):
 
     def _other_callbacks(self) -> list[Callback]:
         return [c for c in self._model()._callbacks_in_fit() if c is not self]
+
+
+def _check_backup(backup: Any, source: str) -> None:
+    """Refuse a file that is not a whole backup of this format, naming the part that is not."""
+    if not isinstance(backup, dict) or backup.get("format") != _FORMAT:
+        raise ValueError(
+            f"{source} is not a mirrored backup (format "
+            f"{backup.get('format') if isinstance(backup, dict) else type(backup)}); point "
+            "backup_dir at a folder of its own"
+        )
+    progress = backup.get("progress")
+    callbacks = backup.get("callbacks")
+    parts = {
+        "training": isinstance(backup.get("training"), dict),
+        "progress": isinstance(progress, dict)
+        and all(isinstance(progress.get(k), int) for k in ("epoch", "step", "consumed")),
+        "rng": isinstance(backup.get("rng"), dict),
+        "epoch_rng": backup.get("epoch_rng") is None or isinstance(backup["epoch_rng"], dict),
+        "metrics": isinstance(backup.get("metrics"), list),
+        "callbacks": isinstance(callbacks, list)
+        and all(
+            isinstance(c, dict)
+            and isinstance(c.get("class"), str)
+            and isinstance(c.get("state"), dict)
+            for c in callbacks
+        ),
+    }
+    broken = [part for part, fine in parts.items() if not fine]
+    if broken:
+        raise ValueError(
+            f"{source} is a damaged backup: {broken} missing or malformed; nothing was restored. "
+            "Delete it to start the training anew"
+        )
 
 
 def _keys(class_names: list[str]) -> list[tuple[str, int]]:

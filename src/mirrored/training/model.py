@@ -39,6 +39,7 @@ from mirrored.callbacks.progbar_logger import ProgbarLogger
 from mirrored.input import global_batch_size_of
 from mirrored.mirror import MirroredModule
 from mirrored.strategy import Strategy, default_strategy
+from mirrored.training import saved_state
 from mirrored.training.data_adapter import DataAdapter, _is_array_structure
 from mirrored.training.layers import Layer, find_layer
 from mirrored.training.loss_scale import LossScale
@@ -778,18 +779,18 @@ class Model:
         }
 
     def load_training_state(self, state: dict[str, Any], source: str = "the checkpoint") -> None:
-        """Restore what ``training_state`` returned; all or nothing."""
+        """Restore what ``training_state`` returned; all or nothing: every part is checked
+        against this model first (``mirrored.training.saved_state``)."""
         steps = self._compiled()
-        checkpoint.check_module_state(self._replicas, state["model"], source)
-        self._optimizer.load_state_dict(state["optimizer"])
-        checkpoint.load_module_state(self._replicas, state["model"], source)
-        if steps.lr_scheduler is not None and state["lr_scheduler"] is not None:
-            steps.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        self._iterations = int(state["iterations"])
-        self._loss_scale = LossScale(
-            scale=float(state["loss_scale"]["scale"]),
-            good_steps=int(state["loss_scale"]["good_steps"]),
+        checked = saved_state.check_training_state(
+            state, self._replicas, self._compiled_optimizer(), steps.lr_scheduler, source
         )
+        self._optimizer.load_state_dict(checked.optimizer)
+        self._replicas.load_state_dict(checked.model)
+        if steps.lr_scheduler is not None and checked.lr_scheduler is not None:
+            steps.lr_scheduler.load_state_dict(checked.lr_scheduler)
+        self._iterations = checked.iterations
+        self._loss_scale = checked.loss_scale
 
     def save(self, filepath: str | Path) -> None:
         """Write the whole training state (``load`` restores it), atomically; only where the
