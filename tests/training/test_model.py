@@ -418,6 +418,24 @@ def test_load_weights_with_an_entry_that_is_not_a_tensor_loads_nothing(tmp_path:
         assert_replicas_identical(model._replicas)
 
 
+def test_weights_that_are_not_finite_are_not_saved_unless_allowed(tmp_path: Path) -> None:
+    with strategy_for(2) as strategy:
+        model = compiled(strategy, make_mlp(FEATURES, CLASSES))
+        model.save_weights(tmp_path / "weights.pt")
+        good = (tmp_path / "weights.pt").read_bytes()
+        name = list(model.state_dict())[1]
+        with torch.no_grad():
+            model.module.get_parameter(name)[0] = float("nan")
+        for save in (model.save_weights, model.save):
+            with pytest.raises(ValueError, match=rf"not finite \('{name}' holds a NaN.*stays"):
+                save(tmp_path / "weights.pt")
+        assert (tmp_path / "weights.pt").read_bytes() == good
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["weights.pt"]
+        model.save_weights(tmp_path / "weights.pt", allow_non_finite=True)
+        model.save(tmp_path / "full.pt", allow_non_finite=True)
+        assert checkpoint.load(tmp_path / "weights.pt")[name][0].isnan().all()
+
+
 def test_summary_counts_parameters() -> None:
     model = mirrored.Model(make_mlp(FEATURES, CLASSES))  # the default strategy
     lines: list[str] = []

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mirrored import checkpoint, context, parameter_server_checkpoint, rng_state
+from mirrored import checkpoint, context, parameter_server_checkpoint, rng_state, state_checks
 from mirrored import losses as losses_module
 from mirrored import metrics as metrics_module
 from mirrored import optimizers as optimizers_module
@@ -792,11 +792,14 @@ class Model:
         self._iterations = checked.iterations
         self._loss_scale = checked.loss_scale
 
-    def save(self, filepath: str | Path) -> None:
+    def save(self, filepath: str | Path, allow_non_finite: bool = False) -> None:
         """Write the whole training state (``load`` restores it), atomically; only where the
-        strategy writes checkpoints (the chief). On a ``ParameterServerStrategy`` the file is
-        the coordinator's checkpoint of this model on the ps tasks (``ClusterCoordinator.save``
-        of it alone)."""
+        strategy writes checkpoints (the chief). Weights holding a NaN or an infinity are
+        refused (a ValueError naming the entry; the file on disk stays) unless
+        ``allow_non_finite``. On a ``ParameterServerStrategy`` the file is the coordinator's
+        checkpoint of this model on the ps tasks (``ClusterCoordinator.save`` of it alone)."""
+        if not allow_non_finite:
+            self._refuse_non_finite(self.state_dict(), filepath)
         if self._on_parameter_servers:
             steps = self._compiled()
             scheduler = steps.lr_scheduler
@@ -835,11 +838,25 @@ class Model:
         self.load_training_state(saved, repr(str(filepath)))
         self.strategy.check_same_on_workers(self.module.state_dict(), f"{str(filepath)!r}")
 
-    def save_weights(self, filepath: str | Path) -> None:
+    def save_weights(self, filepath: str | Path, allow_non_finite: bool = False) -> None:
         """Write the module's state dict (a plain ``torch.load``-able file), atomically; only
-        where the strategy writes checkpoints (the chief)."""
-        self._pull()
-        self.strategy.save_on_chief(lambda: checkpoint.save(self.module.state_dict(), filepath))
+        where the strategy writes checkpoints (the chief). Weights holding a NaN or an infinity
+        are refused as by ``save``, unless ``allow_non_finite``."""
+        weights = self.state_dict()
+        if not allow_non_finite:
+            self._refuse_non_finite(weights, filepath)
+        self.strategy.save_on_chief(lambda: checkpoint.save(weights, filepath))
+
+    @staticmethod
+    def _refuse_non_finite(weights: dict[str, Any], filepath: str | Path) -> None:
+        """Raise on every worker alike (their weights are the same), before any collective."""
+        entry = state_checks.first_non_finite(weights)
+        if entry is not None:
+            raise ValueError(
+                f"not writing {str(filepath)!r}: the weights are not finite ({entry!r} holds a "
+                "NaN or an infinity), and a checkpoint is never written from such weights (the "
+                "file already there stays); pass allow_non_finite=True to write them anyway"
+            )
 
     def load_weights(self, filepath: str | Path) -> None:
         """Load weights from ``save_weights`` or ``save`` files (a parameter-server job's too)
