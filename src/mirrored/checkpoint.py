@@ -4,14 +4,21 @@ A checkpoint is a plain structure of tensors, numbers, strings, lists and dicts,
 ``torch.load(path, weights_only=True)`` reads it and a file from an untrusted source cannot run
 code. A write goes to a temporary file in the same folder, is flushed to disk, then renamed over
 the target: a process killed at any moment leaves either the old file or the new one, never half
-of one.
+of one. The temporary file of a writer killed mid-write is named after its target, machine and
+process, so the next write of that target (or ``remove_stale_temporaries``) removes it once that
+process has ended, and never another live writer's. A write that fails (a full disk, a read-only
+folder) raises an ``OSError`` saying so and leaves the last good file as it was.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import pickle
-import tempfile
+import re
+import secrets
+import socket
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -21,27 +28,103 @@ import torch
 
 from mirrored.state_checks import check_module_state, first_non_finite
 
-__all__ = ["all_finite", "check_module_state", "load", "load_module_state", "save"]
+__all__ = [
+    "all_finite",
+    "check_module_state",
+    "load",
+    "load_module_state",
+    "remove_stale_temporaries",
+    "save",
+]
 
 PathLike = str | os.PathLike[str]
 
+_SUFFIX = ".tmp"
+_REASONS = {
+    errno.ENOSPC: "the disk is full",
+    errno.EDQUOT: "the disk quota is used up",
+    errno.EROFS: "the file system is read-only",
+    errno.EACCES: "no permission to write there",
+    errno.EPERM: "no permission to write there",
+}
+
 
 def save(obj: Any, path: PathLike) -> Path:
-    """Write ``obj`` to ``path`` atomically (write, fsync, rename, fsync the folder)."""
+    """Write ``obj`` to ``path`` atomically (write, fsync, rename, fsync the folder), first
+    removing what killed writers of ``path`` left (``remove_stale_temporaries``)."""
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    descriptor, temporary = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    temporary = target.with_name(
+        f".{target.name}.{_machine()}.{os.getpid()}.{secrets.token_hex(4)}{_SUFFIX}"
+    )
     try:
-        with os.fdopen(descriptor, "wb") as file:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(target)
+        with open(temporary, "xb") as file:
             torch.save(obj, file)
             file.flush()
             os.fsync(file.fileno())
         os.replace(temporary, target)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
+    except BaseException as error:
+        with contextlib.suppress(OSError):
+            temporary.unlink(missing_ok=True)
+        if isinstance(error, OSError):
+            raise _write_error(error, target) from error
         raise
     _fsync_folder(target.parent)
     return target
+
+
+def remove_stale_temporaries(path: PathLike) -> list[Path]:
+    """Remove the temporary files that writers of ``path`` on this machine left when they were
+    killed mid-write (their process has ended); return them. Those of a live process (another
+    writer, now) and of other machines sharing the folder stay."""
+    target = Path(path)
+    prefix = f".{target.name}."
+    removed = []
+    with contextlib.suppress(OSError):  # no folder yet, or one that cannot be listed
+        for entry in target.parent.iterdir():
+            name = entry.name
+            if not (name.startswith(prefix) and name.endswith(_SUFFIX)):
+                continue
+            writer = name[len(prefix) : -len(_SUFFIX)].split(".")
+            if len(writer) != 3 or writer[0] != _machine() or not writer[1].isdigit():
+                continue  # another target's, another machine's, or not ours at all
+            if not _process_ended(int(writer[1])):
+                continue
+            with contextlib.suppress(FileNotFoundError):  # removed by another writer meanwhile
+                entry.unlink()
+                removed.append(entry)
+    return removed
+
+
+def _machine() -> str:
+    """This machine's name as it goes into a temporary file's name (no dots)."""
+    return re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname()) or "localhost"
+
+
+def _process_ended(pid: int) -> bool:
+    """Whether process ``pid`` of this machine has ended (never guessed: only where POSIX's
+    signal 0 says it does not exist)."""
+    if os.name != "posix":
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # another user's process: alive
+        return False
+    return False
+
+
+def _write_error(error: OSError, target: Path) -> OSError:
+    """``error`` of a failed write, saying which checkpoint and why, of the same class."""
+    reason = _REASONS.get(error.errno or 0)
+    message = (
+        f"could not write the checkpoint {str(target)!r}: "
+        f"{f'{reason} ({error})' if reason else error}; the last good file there, if any, is "
+        "kept as it was"
+    )
+    return OSError(error.errno, message) if error.errno else OSError(message)
 
 
 def all_finite(state_dict: Mapping[str, Any]) -> bool:

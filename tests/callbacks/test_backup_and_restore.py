@@ -198,6 +198,25 @@ def test_a_damaged_backup_is_refused_naming_the_part(tmp_path: Path) -> None:
         run(1, "arrays", [backup])
 
 
+def test_a_restore_removes_what_a_write_killed_with_the_last_run_left(tmp_path: Path) -> None:
+    backup = mirrored.callbacks.BackupAndRestore(tmp_path, save_freq=1, delete_checkpoint=False)
+    with pytest.raises(Crash):
+        run(1, "arrays", [CrashAt(3), backup])
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    machine = checkpoint._machine()
+    (tmp_path / f".backup.pt.{machine}.{ended.pid}.0a1b2c3d.tmp").write_bytes(b"half a backup")
+
+    listings: list[list[str]] = []
+
+    class Listing(mirrored.callbacks.Callback):
+        def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+            listings.append(sorted(p.name for p in tmp_path.iterdir()))
+
+    run(1, "arrays", [Listing(), backup])
+    assert listings[0] == ["backup.pt"]  # restored, before any new backup was written
+
+
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="save_freq"):
         mirrored.callbacks.BackupAndRestore("x", save_freq=0)
@@ -255,6 +274,7 @@ def test_sigkill_at_any_moment_then_rerun_ends_with_the_uninterrupted_weights(
     assert_identical(expected["weights"], actual["weights"])
     assert actual["history"] == expected["history"]
     assert not backup_file.exists()
+    assert list(backup_dir.iterdir()) == [], "a killed write's temporary file was left"
 
 
 def test_save_freq_counts_batches_not_executions(tmp_path: Path) -> None:

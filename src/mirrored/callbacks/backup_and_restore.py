@@ -53,9 +53,11 @@ class BackupAndRestore(Callback):
     # -- restore -----------------------------------------------------------------------------------
     def on_train_begin(self, logs: Logs | None = None) -> None:
         self._frequency.saved()
+        model = self._model()
+        if model.strategy.should_checkpoint:  # what a write killed with the last run left
+            checkpoint.remove_stale_temporaries(self.path)
         if self.path.exists():
             self._restore()
-        model = self._model()
         model.strategy.check_same_on_workers(
             model.state_dict(), f"the weights restored from {str(self.path)!r} (or not)"
         )
