@@ -11,6 +11,7 @@ import torch
 
 import mirrored
 from mirrored.rendezvous import Rendezvous, ReplicaAbortedError, SyncMismatchError, SyncTimeoutError
+from mirrored.replica_workers import ReplicaWorkers
 
 
 def _in_threads(num_replicas, body):
@@ -178,6 +179,29 @@ def test_a_run_waits_for_a_replica_still_stuck_in_an_earlier_run_then_names_it()
     finally:
         release.set()
         strategy.close()
+
+
+def test_the_run_after_stragglers_returned_calls_after_stragglers_once_before_its_tasks():
+    release = threading.Event()
+    workers = ReplicaWorkers(["cpu:0", "cpu:1"])
+    calls = []
+    try:
+        with pytest.raises(SyncTimeoutError, match="did not finish"):
+            workers.run([lambda: "0", release.wait], 0.2, lambda reason: None)
+        assert workers.broken is not None and "cpu:1" in workers.broken
+        release.set()
+        outcomes = workers.run(
+            [lambda: calls.append("task")] * 2,
+            5,
+            lambda reason: None,
+            lambda: calls.append("after"),
+        )
+        assert outcomes == [(True, None)] * 2
+        workers.run([lambda: None] * 2, 5, lambda reason: None, lambda: calls.append("after"))
+        assert calls == ["after", "task", "task"] and workers.broken is None
+    finally:
+        release.set()
+        workers.close()
 
 
 def test_close_stops_threads_and_run_after_close_is_an_error():

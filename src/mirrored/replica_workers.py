@@ -45,6 +45,7 @@ class ReplicaWorkers:
         self._outcomes: list[Outcome | None] = []
         self._run_number = 0  # a task's outcome counts only for the run that gave the task
         self._running = [False] * len(names)  # per worker thread: a task is under way
+        self._gave_up = False  # a run gave up on replicas still running (stragglers)
         self._names = list(names)
         self._run_lock = threading.Lock()
         self._threads = [
@@ -100,6 +101,7 @@ class ReplicaWorkers:
         tasks: Sequence[Callable[[], Any]],
         timeout_seconds: float | None,
         abort: Callable[[BaseException], None],
+        after_stragglers: Callable[[], None] | None = None,
     ) -> list[Outcome]:
         """Run ``tasks[i]`` on thread ``i``; return every outcome. One run at a time.
 
@@ -108,12 +110,14 @@ class ReplicaWorkers:
         replica missing from a sync point that timed out has had its time, and is not waited
         for again here. Replicas still running when the run fails (or is interrupted: Ctrl-C
         in a notebook) are released with ``abort(reason)`` and given up on; the next run first
-        waits up to ``timeout_seconds`` for them to return.
+        waits up to ``timeout_seconds`` for them to return, then calls ``after_stragglers()``
+        (where the strategy resyncs the replicas, which it could not do under a running one).
         """
         with self._run_lock:
             if self._closed:
                 raise RuntimeError("the strategy is closed; create a new one")
-            self._wait_for_stragglers(timeout_seconds)
+            if self._wait_for_stragglers(timeout_seconds) and after_stragglers is not None:
+                after_stragglers()
             with self._done:
                 self._run_number += 1
                 number = self._run_number
@@ -138,10 +142,13 @@ class ReplicaWorkers:
                 with self._done:
                     self._outcomes = []
 
-    def _wait_for_stragglers(self, timeout_seconds: float | None) -> None:
-        """Before a run: wait for replicas an earlier run gave up on."""
+    def _wait_for_stragglers(self, timeout_seconds: float | None) -> bool:
+        """Before a run: wait for replicas an earlier run gave up on; whether there were any
+        since the last such wait."""
         deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
         with self._done:
+            if not self._gave_up:
+                return False
             while any(self._running):
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
@@ -153,6 +160,8 @@ class ReplicaWorkers:
                         "they return"
                     )
                 self._done.wait(min(remaining, 0.5) if remaining is not None else 0.5)
+            self._gave_up = False
+            return True
 
     def _collect(self, timeout_seconds: float | None) -> list[Outcome]:
         """Every replica's outcome. A failed run gives up on the replicas that have not
@@ -173,6 +182,7 @@ class ReplicaWorkers:
                 # Wake up regularly so that Ctrl-C is noticed promptly.
                 self._done.wait(min(remaining, 0.5) if remaining is not None else 0.5)
             stuck = [i for i, o in enumerate(self._outcomes) if o is None]
+            self._gave_up = self._gave_up or bool(stuck)
             if stuck and all(o is None or o[0] for o in self._outcomes):
                 raise SyncTimeoutError(
                     f"replica(s) {stuck} on {[self._names[i] for i in stuck]} did not finish "
@@ -191,6 +201,7 @@ class ReplicaWorkers:
             while any(o is None for o in self._outcomes):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
+                    self._gave_up = True
                     return
                 self._done.wait(remaining)
 
