@@ -181,6 +181,34 @@ def test_a_run_waits_for_a_replica_still_stuck_in_an_earlier_run_then_names_it()
         strategy.close()
 
 
+def test_replicas_a_stuck_replica_changed_late_are_resynced_before_the_next_run():
+    release = threading.Event()
+    returned = threading.Event()
+    strategy = mirrored.MirroredStrategy(["cpu:0", "cpu:1"], timeout_seconds=0.5)
+    try:
+        model = strategy.mirror(torch.nn.Linear(2, 1))
+
+        def late_update():
+            replica = mirrored.get_replica_context()
+            if replica.replica_id_in_sync_group == 1:
+                release.wait(60)
+                with torch.no_grad():
+                    model.weight.add_(1.0)  # what a replica finishing its step late does
+                returned.set()
+
+        with pytest.raises(SyncTimeoutError, match="did not finish"):
+            strategy.run(late_update)
+        release.set()
+        assert returned.wait(10)
+        weights = strategy.run(lambda: model.weight.detach().clone())
+        first, second = strategy.experimental_local_results(weights)
+        assert torch.equal(first, second)
+        assert torch.equal(first, model.replicas[0].weight)
+    finally:
+        release.set()
+        strategy.close()
+
+
 def test_the_run_after_stragglers_returned_calls_after_stragglers_once_before_its_tasks():
     release = threading.Event()
     workers = ReplicaWorkers(["cpu:0", "cpu:1"])

@@ -147,7 +147,9 @@ class MirroredStrategy(Strategy):
             for randomness in self._randomness:
                 randomness.start_step(step_seed)
             try:
-                return self._workers.run(tasks, self.timeout_seconds, rendezvous.abort)
+                return self._workers.run(
+                    tasks, self.timeout_seconds, rendezvous.abort, self._resync_now
+                )
             finally:
                 for runtime, caller_stream in zip(
                     self._runtimes, self._caller_streams, strict=True

@@ -151,7 +151,6 @@ class PipelineStrategy(Strategy):
         self._layer_ranges: list[tuple[int, int]] = []
         self._checked_inputs: set[Any] = set()
         self._check_lock = threading.Lock()
-        self._stuck_stages: list[str] = []
 
     def __repr__(self) -> str:
         stages = [[d.short_name for d in pipeline] for pipeline in self.stage_devices]
@@ -180,11 +179,6 @@ class PipelineStrategy(Strategy):
         return super().run(fn, args, kwargs)
 
     def _execute(self, tasks: Sequence[Callable[[], Any]], rendezvous: Rendezvous) -> list[Outcome]:
-        if self._stuck_stages:
-            raise RuntimeError(
-                f"the strategy is unusable: pipeline stages on {self._stuck_stages} are stuck in "
-                "an operation; create a new strategy"
-            )
         with StepSeed() as step_seed:
             return self._run_pipelines(tasks, rendezvous, step_seed)
 
@@ -193,7 +187,6 @@ class PipelineStrategy(Strategy):
     ) -> list[Outcome]:
         for randomness in self._randomness:
             randomness.start_step(step_seed)
-        deadline = None if self.timeout_seconds is None else time.monotonic() + self.timeout_seconds
         for p, pipeline in enumerate(self._pipelines):
             streams = [
                 torch.cuda.current_stream(d.torch_device) if d.device_type == "GPU" else None
@@ -210,16 +203,21 @@ class PipelineStrategy(Strategy):
                 )
             )
         try:
-            outcomes = self._workers.run(tasks, self.timeout_seconds, rendezvous.abort)
+            outcomes = self._workers.run(
+                tasks, self.timeout_seconds, rendezvous.abort, self._resync_now
+            )
             if all(ok for ok, _ in outcomes) and self._pipelines:
                 # Gradients of backwards with no optimizer.step() in the run: into param.grad.
-                self._apply_gradients(deadline)
+                self._apply_gradients(self._deadline())
             return outcomes
         finally:
-            end = None if self.timeout_seconds is None else time.monotonic() + self.timeout_seconds
-            stuck = [name for pipeline in self._pipelines for name in pipeline.end_run(end)]
-            if stuck:
-                self._stuck_stages = stuck
+            end = self._deadline()
+            for pipeline in self._pipelines:
+                pipeline.end_run(end)
+
+    def _deadline(self) -> float | None:
+        """When a wait that starts now must end."""
+        return None if self.timeout_seconds is None else time.monotonic() + self.timeout_seconds
 
     @contextmanager
     def _replica_scope(self, replica_id: int) -> Iterator[None]:
@@ -233,7 +231,7 @@ class PipelineStrategy(Strategy):
                 yield
 
     def _usable(self) -> bool:
-        return self._workers.broken is None and not self._stuck_stages
+        return self._workers.broken is None
 
     def _locate(self, replica: ReplicaContext) -> tuple[int, int]:
         """(pipeline, micro-batch) of a replica."""
@@ -288,11 +286,8 @@ class PipelineStrategy(Strategy):
             ]
         replica.exchange.all("optimizer.step", snapshot)
         if replica.local_replica_id == 0:
-            deadline = (
-                None if self.timeout_seconds is None else time.monotonic() + self.timeout_seconds
-            )
             try:
-                self._apply_gradients(deadline)
+                self._apply_gradients(self._deadline())
                 assert snapshot is not None
                 for other in optimizer.optimizers[1:]:
                     for group, values in zip(other.param_groups, snapshot, strict=True):

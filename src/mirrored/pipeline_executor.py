@@ -602,10 +602,10 @@ class Pipeline:
                 torch.cuda.current_stream(stream.device).wait_stream(stream)
         return [pair for executor in self.executors for pair in executor.take_gradients()]
 
-    def end_run(self, deadline: float | None) -> list[str]:
+    def end_run(self, deadline: float | None) -> None:
         """Forget the run. An operation still running is left to finish on its own (see
         ``StageExecutor.end_run``); the next run's operations on that stage wait for it, within
-        their timeout. Returns no stage: none is ever left unusable."""
+        their timeout."""
         for executor in self.executors:
             executor.end_run(deadline)
         with self._lock:
@@ -613,7 +613,6 @@ class Pipeline:
             for waiter in self._results.values():
                 waiter.set(error=RuntimeError("the run ended before this micro-batch's forward"))
             self._results = {}
-        return []
 
     def describe(self) -> str:
         """What each stage is running now (for timeout errors)."""

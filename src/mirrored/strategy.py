@@ -232,10 +232,15 @@ class Strategy:
         if not self._usable():
             return
         try:
-            for replicated in reversed(list(self._replicated)):
-                replicated.resync()
+            self._resync_now()
         except Exception as resync_error:
             add_note(error, f"and resyncing the replicas afterwards failed: {resync_error!r}")
+
+    def _resync_now(self) -> None:
+        """Every replicated module and optimizer from replica 0, newest first (also once the
+        replicas a failed run gave up on have returned)."""
+        for replicated in reversed(list(self._replicated)):
+            replicated.resync()
 
     def _usable(self) -> bool:
         """False once replicas are stuck in user code (their state cannot be trusted)."""
