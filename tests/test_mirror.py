@@ -8,9 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import clip_grad_norm_, clip_grad_value_
 
 import mirrored
 from tests.reference_loops import (
+    CROSS_DEVICE_OPS,
     OPTIMIZERS,
     assert_replicas_identical,
     assert_same_parameters,
@@ -381,3 +383,95 @@ def test_lazy_modules_are_refused_with_what_to_do(strategy):
     module(torch.zeros(1, 5))
     model = strategy.mirror(module)
     assert model.replicas[1][0].weight.shape == (8, 5)
+
+
+def _plain_clipped(batches, clip, optimizer_fn):
+    model = make_mlp()
+    optimizer = optimizer_fn(model)
+    norms = []
+    for x, y in batches:
+        F.cross_entropy(model(x), y).backward()
+        norms.append(clip(model.parameters()))
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, norms
+
+
+CLIPS = {
+    "norm": lambda params: clip_grad_norm_(params, 0.3),
+    "value": lambda params: clip_grad_value_(params, 0.02),
+}
+
+
+@pytest.mark.parametrize("ops", ["hierarchical", "one_device"])
+@pytest.mark.parametrize("clip", sorted(CLIPS))
+def test_clipping_inside_replicas_clips_the_global_gradient(ops, clip):
+    """clip_grad_norm_ / clip_grad_value_ imported by name, between backward and step."""
+    batches = make_batches()[:5]
+    optimizer_fn = OPTIMIZERS["adam"]
+    expected, norms = _plain_clipped(batches, CLIPS[clip], optimizer_fn)
+    with mirrored.MirroredStrategy(DEVICES, CROSS_DEVICE_OPS[ops]()) as strategy:
+        module = make_mlp()
+        model, optimizer = strategy.mirror(module, optimizer_fn(module))
+
+        def step(batch):
+            x, y = batch
+            loss = mirrored.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"))
+            loss.backward()
+            norm = CLIPS[clip](model.parameters())
+            optimizer.step()
+            optimizer.zero_grad()
+            return norm
+
+        seen = []
+        for batch in strategy.experimental_distribute_dataset(batches):
+            seen.append(strategy.experimental_local_results(strategy.run(step, (batch,))))
+    assert_same_parameters(expected, model)
+    assert_replicas_identical(model)
+    if clip == "norm":  # every replica saw the global batch's norm
+        for plain_norm, replica_norms in zip(norms, seen, strict=True):
+            for norm in replica_norms:
+                torch.testing.assert_close(norm, plain_norm)
+
+
+@pytest.mark.parametrize("where", ["mirrored", "original"])
+def test_a_scheduler_stepped_inside_replicas_advances_once_per_update(strategy, where):
+    batches = make_batches()[:6]
+    reference = make_mlp()
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    reference_scheduler = torch.optim.lr_scheduler.StepLR(reference_optimizer, 2, gamma=0.5)
+    for x, y in batches:
+        F.cross_entropy(reference(x), y).backward()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+        reference_scheduler.step()
+
+    module = make_mlp()
+    original = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(original, 2, gamma=0.5)
+    model, optimizer = strategy.mirror(module, original)
+    if where == "mirrored":  # rather on what mirror() returned
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 2, gamma=0.5)
+
+    def step(batch):
+        x, y = batch
+        mirrored.compute_average_loss(F.cross_entropy(model(x), y, reduction="none")).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()  # where the Transformers docs' loop steps it: once per replica here
+
+    for batch in strategy.experimental_distribute_dataset(batches):
+        strategy.run(step, (batch,))
+    assert scheduler.get_last_lr() == reference_scheduler.get_last_lr() == [0.0125]
+    assert_same_parameters(reference, model)
+    assert_replicas_identical(model)
+
+
+def test_summing_gradients_early_is_refused_where_step_sums_its_own_way():
+    with mirrored.MirroredStrategy(DEVICES[:2], gradient_accumulation_steps=2) as strategy:
+        module = make_mlp()
+        _, optimizer = strategy.mirror(module, torch.optim.SGD(module.parameters(), lr=0.1))
+        with pytest.raises(RuntimeError, match=r"inside strategy\.run"):
+            optimizer.all_reduce_gradients()
+        with pytest.raises(ValueError, match="gradient_accumulation_steps > 1 or zero_stage=2"):
+            strategy.run(optimizer.all_reduce_gradients)

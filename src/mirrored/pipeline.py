@@ -521,6 +521,16 @@ class PipelinedOptimizer(MirroredOptimizer):
         self._strategy._step(replica, self)  # type: ignore[attr-defined]
         return None
 
+    def all_reduce_gradients(self) -> None:
+        """Refused: a pipeline's gradients reach ``param.grad`` only at ``step()``."""
+        raise TypeError(
+            "a pipeline's gradients reach param.grad only at optimizer.step(), so they cannot "
+            "be summed (or clipped) before it"
+        )
+
+    def holds_gradients(self, replica_id: int, grad_ids: set[int]) -> bool:
+        return False
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The current pipeline's gradients inside ``strategy.run``, every pipeline's outside
         (see ``PipelinedModule.zero_grad``)."""
