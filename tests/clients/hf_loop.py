@@ -8,6 +8,7 @@ with the strategy's three changes: ``strategy.mirror``, the step in ``strategy.r
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -58,16 +59,28 @@ class LoopOptions:
     norm before ``optimizer.step()`` (``run_mlm_no_trainer.py``, the Trainer's
     ``max_grad_norm``) and a learning-rate schedule stepped after it (the docs' custom loop).
     ``schedule_in_step``: the mirrored loop steps the schedule inside the replica function, right
-    after ``optimizer.step()`` as the plain loop does, instead of after ``strategy.run``."""
+    after ``optimizer.step()`` as the plain loop does, instead of after ``strategy.run``;
+    ``gradient_checkpointing``: both loops enable it in its default form."""
 
     max_grad_norm: float | None = None
     schedule: Callable[[torch.optim.Optimizer], LRScheduler] | None = None
     schedule_in_step: bool = False
+    gradient_checkpointing: bool = False  # model.gradient_checkpointing_enable(), its defaults
+
+
+def _enable_gradient_checkpointing(model: nn.Module) -> None:
+    """Hugging Face's default form, whose name Transformers 5 deprecates (in favour of
+    ``activation_checkpointing_enable``) but still takes."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        model.gradient_checkpointing_enable()  # type: ignore[operator]
 
 
 def train_plain(
     model: nn.Module, batches: Sequence[Batch], options: LoopOptions = LoopOptions()
 ) -> list[float]:
+    if options.gradient_checkpointing:
+        _enable_gradient_checkpointing(model)
     optimizer = adamw(model)
     scheduler = options.schedule(optimizer) if options.schedule else None
     model.train()
@@ -94,6 +107,8 @@ def train_mirrored(
 ) -> list[float]:
     """Train ``model`` in place (it becomes replica 0) on ``num_devices`` logical CPU devices;
     the global loss of every step."""
+    if options.gradient_checkpointing:
+        _enable_gradient_checkpointing(model)
     with mirrored.MirroredStrategy([f"cpu:{i}" for i in range(num_devices)]) as strategy:
         mirrored_model, optimizer = strategy.mirror(model, adamw(model))
         scheduler = options.schedule(optimizer) if options.schedule else None
@@ -118,26 +133,51 @@ def train_mirrored(
         return [loss.item() for loss in losses]
 
 
+def _seeded_run(
+    make_model: Callable[[], nn.Module],
+    batches: Sequence[Batch],
+    replica_loss: ReplicaLoss,
+    seed: int,
+    options: LoopOptions = LoopOptions(),
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """A mirrored run on 2 devices after ``torch.manual_seed(seed)``: losses and final state."""
+    model = make_model()
+    torch.manual_seed(seed)
+    losses = train_mirrored(model, batches, 2, replica_loss, options)
+    return losses, model.state_dict()
+
+
+def _assert_bitwise_equal(
+    run: tuple[list[float], dict[str, torch.Tensor]],
+    again: tuple[list[float], dict[str, torch.Tensor]],
+) -> None:
+    assert again[0] == run[0]
+    for name, value in run[1].items():
+        assert torch.equal(again[1][name], value), name
+
+
 def assert_reproducible_with_dropout(
     make_model: Callable[[], nn.Module], batches: Sequence[Batch], replica_loss: ReplicaLoss
 ) -> None:
     """Two mirrored runs after the same ``torch.manual_seed`` are bitwise identical (parameters
     and losses); a run after another seed is not, so dropout does draw."""
+    first = _seeded_run(make_model, batches, replica_loss, 5)
+    _assert_bitwise_equal(first, _seeded_run(make_model, batches, replica_loss, 5))
+    other_losses, other = _seeded_run(make_model, batches, replica_loss, 6)
+    assert other_losses != first[0]
+    assert any(not torch.equal(other[name], value) for name, value in first[1].items())
 
-    def run(seed: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-        model = make_model()
-        torch.manual_seed(seed)
-        losses = train_mirrored(model, batches, 2, replica_loss)
-        return losses, model.state_dict()
 
-    first_losses, first = run(5)
-    again_losses, again = run(5)
-    other_losses, other = run(6)
-    assert again_losses == first_losses
-    for name, value in first.items():
-        assert torch.equal(again[name], value), name
-    assert other_losses != first_losses
-    assert any(not torch.equal(other[name], value) for name, value in first.items())
+def assert_checkpointing_changes_nothing(
+    make_model: Callable[[], nn.Module], batches: Sequence[Batch], replica_loss: ReplicaLoss
+) -> None:
+    """With dropout on, a mirrored run with gradient checkpointing in its default form is
+    bitwise the run without it: every recomputation draws the forward's dropout masks."""
+    checkpointed = LoopOptions(gradient_checkpointing=True)
+    _assert_bitwise_equal(
+        _seeded_run(make_model, batches, replica_loss, 5),
+        _seeded_run(make_model, batches, replica_loss, 5, checkpointed),
+    )
 
 
 def run_plain(

@@ -19,6 +19,7 @@ from tests.clients.hf_loop import (
     Batch,
     LoopOptions,
     PlainRun,
+    assert_checkpointing_changes_nothing,
     assert_mirrored_equals_plain,
     assert_reproducible_with_dropout,
     padded_sequences,
@@ -117,3 +118,20 @@ def test_a_schedule_stepped_inside_the_replica_function():
 def test_gradient_clipping_by_the_global_norm_inside_the_replica_function():
     """run_mlm_no_trainer.py and the Trainer's max_grad_norm clip between backward and step."""
     _assert_equals_the_plain_loop(LoopOptions(max_grad_norm=0.5))
+
+
+def test_gradient_checkpointing_in_its_default_form_equals_the_plain_loop(plain_run):
+    assert_mirrored_equals_plain(
+        plain_run,
+        make_bert,
+        masked_batches(),
+        3,
+        per_token_loss,
+        LoopOptions(gradient_checkpointing=True),
+    )
+
+
+def test_with_dropout_gradient_checkpointing_recomputes_the_forwards_masks():
+    assert_checkpointing_changes_nothing(
+        lambda: make_bert(dropout=0.1), masked_batches(), per_token_loss
+    )

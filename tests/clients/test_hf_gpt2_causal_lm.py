@@ -20,7 +20,9 @@ import mirrored
 from tests.clients.hf_loop import (
     VOCAB_SIZE,
     Batch,
+    LoopOptions,
     PlainRun,
+    assert_checkpointing_changes_nothing,
     assert_mirrored_equals_plain,
     assert_reproducible_with_dropout,
     padded_sequences,
@@ -98,5 +100,22 @@ def test_mirrored_training_equals_the_plain_loop(plain_run, num_devices, replica
 
 def test_with_dropout_a_seed_reproduces_a_run_bit_for_bit():
     assert_reproducible_with_dropout(
+        lambda: make_gpt2(dropout=0.1), causal_batches(), per_token_loss
+    )
+
+
+def test_gradient_checkpointing_in_its_default_form_equals_the_plain_loop(plain_run):
+    assert_mirrored_equals_plain(
+        plain_run,
+        make_gpt2,
+        causal_batches(),
+        3,
+        per_token_loss,
+        LoopOptions(gradient_checkpointing=True),
+    )
+
+
+def test_with_dropout_gradient_checkpointing_recomputes_the_forwards_masks():
+    assert_checkpointing_changes_nothing(
         lambda: make_gpt2(dropout=0.1), causal_batches(), per_token_loss
     )
