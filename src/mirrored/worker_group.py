@@ -406,8 +406,14 @@ class WorkerGroup:
 
     # -- lifetime ---------------------------------------------------------------------------------
     def close(self) -> None:
-        """Stop the heartbeat and tear down the process group this group created; idempotent."""
+        """Stop the heartbeat and wait for it, then tear down the process group this group
+        created; idempotent. The wait matters at the end of a program (a strategy not closed is
+        closed at exit): a daemon thread that comes back from a store call while the interpreter
+        finalizes is ended inside torch's C++ frames, and the process aborts ("terminate called
+        without an active exception") after a run that succeeded."""
         self._stop.set()
+        if self._heartbeat is not threading.current_thread():
+            self._heartbeat.join()
         self._close_same_host()
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()

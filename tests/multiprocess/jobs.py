@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -17,7 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import mirrored
-from mirrored import config, same_host_all_reduce, zero_redundancy
+from mirrored import config, same_host_all_reduce, worker_group, zero_redundancy
 from mirrored.same_host_all_reduce import SameHostAllReduce
 from tests.multiprocess import parameter_server_jobs
 from tests.reference_loops import (
@@ -607,6 +608,36 @@ def backup(out: Path, backup_dir: str) -> None:
         _save(strategy, out, {"weights": model.state_dict(), "history": history.history})
 
 
+class _SlowStore:
+    """A store whose ``set`` takes a second once ``slow`` is set; ``entered`` says one began."""
+
+    def __init__(self, store: Any, slow: threading.Event, entered: threading.Event) -> None:
+        self._store, self._slow, self._entered = store, slow, entered
+
+    def set(self, key: str, value: str) -> None:
+        if self._slow.is_set():
+            self._entered.set()
+            time.sleep(1.0)
+        self._store.set(key, value)
+
+
+def heartbeat_at_close(out: Path) -> None:
+    """Close the strategy while its heartbeat is inside a (slow) store call: which heartbeat
+    threads are still running once close() has returned."""
+    slow, entered = threading.Event(), threading.Event()
+    connect = worker_group.WorkerGroup._heartbeat_store
+    worker_group.WorkerGroup._heartbeat_store = lambda group: _SlowStore(  # type: ignore[method-assign]
+        connect(group), slow, entered
+    )
+    strategy = _strategy()
+    rank = strategy.worker_group.rank
+    slow.set()
+    entered.wait()
+    strategy.close()
+    running = [t.name for t in threading.enumerate() if t.name.startswith("mirrored-heartbeat")]
+    torch.save({"running after close": running}, out / f"rank{rank}.pt")
+
+
 JOBS: dict[str, Callable[..., None]] = {
     f.__name__: f
     for f in (
@@ -629,6 +660,7 @@ JOBS: dict[str, Callable[..., None]] = {
         uneven_input,
         seeded_per_rank,
         backup,
+        heartbeat_at_close,
         zero,
         *parameter_server_jobs.JOBS,
     )

@@ -563,3 +563,13 @@ def test_workers_that_shuffle_differently_fail_clearly(tmp_path: Path, kind: str
         assert "the workers' first global batches hold different examples" in worker.output, (
             worker.output[-2000:]
         )
+
+
+def test_close_waits_for_the_heartbeat_to_leave_its_store_call(tmp_path: Path) -> None:
+    """A daemon thread still in a store call when the interpreter finalizes aborts the process
+    after a successful run ("terminate called without an active exception")."""
+    workers = run_workers("heartbeat_at_close", tmp_path)
+    assert_all_succeeded(workers)
+    for rank in range(2):
+        record = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        assert record["running after close"] == []
