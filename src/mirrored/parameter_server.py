@@ -4,10 +4,11 @@ TensorFlow's cluster: a ``chief`` (the coordinator, which runs the training prog
 tasks (which run the functions the coordinator schedules) and ``ps`` tasks (which hold the
 parameters and their optimizer state), from ``TF_CONFIG`` or ``mirrored launch --num-ps P``.
 Every task runs the same script; in a worker or ps task the constructor serves the coordinator,
-then ends the process when the coordinator closes the strategy (or with an error when the
-coordinator is lost). A worker task started again after it was lost rejoins the job as a new
-incarnation of itself (``worker1_2``): the chief gives up the lost one on every ps task, admits
-the new one (``mirrored.rpc_cluster``), and gives it every model and per-worker dataset.
+then ends the process when the coordinator closes the strategy or its program ends (with an error
+when that program failed or the coordinator is lost). A worker task started again after it was
+lost rejoins the job as a new incarnation of itself (``worker1_2``): the chief gives up the lost
+one on every ps task, admits the new one (``mirrored.rpc_cluster``), and gives it every model and
+per-worker dataset.
 
 On the coordinator, ``mirror(model, optimizer)`` places the model's parameters and buffers on the
 ps tasks (whole, or cut by a partitioner: ``mirrored.partitioners``) with an optimizer of the same
@@ -23,9 +24,11 @@ every task of the job belongs on a private network.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import itertools
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -50,6 +53,7 @@ __all__ = ["ParameterServerModule", "ParameterServerOptimizer", "ParameterServer
 
 _DEFAULT_TIMEOUT_SECONDS = 300.0
 _stop_serving = threading.Event()  # set by the coordinator's last message to this task
+_chief_failure: str | None = None  # why the coordinator's program failed, in that message
 
 
 class ParameterServerStrategy:
@@ -115,6 +119,8 @@ class ParameterServerStrategy:
         if self._store is None:  # a worker or ps task
             _serve(member.name, host, port)
             raise SystemExit(0)
+        # An uncaught exception the program ends with will be sys.last_value, unless it is this.
+        self._earlier_error = getattr(sys, "last_value", None)
         self._model_ids = itertools.count()
         self.models: list[MirroredModel] = []  # in the order mirror() made them
         self._coordinator: ClusterCoordinator | None = None  # the one (ClusterCoordinator)
@@ -129,6 +135,7 @@ class ParameterServerStrategy:
         self._admissions = Admissions(
             self._store.host, self._store.port, self.timeout_seconds, self._prepare, self._welcome
         )
+        _open_strategies.add(self)
 
     #: ``mirrored.Model`` trains through a ``ClusterCoordinator`` on this strategy.
     runs_on_parameter_servers = True
@@ -145,6 +152,12 @@ class ParameterServerStrategy:
     def save_on_chief(self, write: Callable[[], object]) -> None:
         """Run a checkpoint's ``write``: only the chief runs the training program here."""
         write()
+
+    @property
+    def should_checkpoint(self) -> bool:
+        """Whether this process writes checkpoints, logs and progress bars: always, since only
+        the chief runs the training program."""
+        return True
 
     @property
     def num_workers(self) -> int:
@@ -310,17 +323,23 @@ class ParameterServerStrategy:
     # -- lifetime ---------------------------------------------------------------------------------
     def close(self) -> None:
         """End the job: every worker and ps task leaves its process, then this one leaves the
-        RPC group; idempotent."""
+        RPC group; idempotent. A program that ends without it closes the strategy as it exits."""
+        self._end(None)
+
+    def _end(self, failure: str | None) -> None:
+        """``close()``; with ``failure``, why the coordinator's program failed: the worker and
+        ps tasks then exit with an error naming it."""
         if self._closed:
             return
         self._closed = True
+        _open_strategies.discard(self)
         self._admissions.stop()
         if self._coordinator is not None:
             self._coordinator.close()
         futures = []
         for task in (*self.live_workers(), *self.cluster.ps):
             with contextlib.suppress(RuntimeError):  # a task already lost: nothing to stop
-                futures.append(rpc.rpc_async(task, _stop, timeout=self.timeout_seconds))
+                futures.append(rpc.rpc_async(task, _stop, (failure,), timeout=self.timeout_seconds))
         for future in futures:
             with contextlib.suppress(RuntimeError):
                 future.wait()
@@ -330,7 +349,26 @@ class ParameterServerStrategy:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        self.close()
+        error = exc_info[1]
+        self._end(None if error is None else _describe(error))
+
+
+_open_strategies: set[ParameterServerStrategy] = set()  # the chief's, not yet closed
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """The coordinator's program has ended without closing its strategies: close them, so that
+    the worker and ps tasks end with it (they would serve forever under a launcher that hosts
+    the store), with an error naming the exception the program ended with, if any."""
+    error = getattr(sys, "last_value", None)
+    for strategy in list(_open_strategies):
+        failed = error is not None and error is not strategy._earlier_error
+        strategy._end(_describe(error) if failed else None)
+
+
+def _describe(error: object) -> str:
+    return f"{type(error).__name__}: {error}"
 
 
 class ParameterServerModule(nn.Module):
@@ -387,13 +425,15 @@ def _check_cluster(spec: dict[str, list[str]]) -> None:
         )
 
 
-def _stop() -> None:
+def _stop(failure: str | None) -> None:
+    global _chief_failure
+    _chief_failure = failure
     _stop_serving.set()
 
 
 def _serve(name: str, host: str, port: int) -> None:
     """A worker or ps task: answer the coordinator until it says stop, or exit with an error
-    once its rendezvous store (hosted by the chief) is gone."""
+    once its rendezvous store (hosted by the chief) is gone or its program failed."""
     client = dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=10))
     try:
         while not _stop_serving.wait(1.0):
@@ -406,3 +446,8 @@ def _serve(name: str, host: str, port: int) -> None:
                 ) from error
     finally:
         stop_rpc()
+    if _chief_failure is not None:
+        raise SystemExit(
+            f"{name}: the coordinator's program (the chief task) failed with {_chief_failure}; "
+            "its worker and ps tasks end with it"
+        )

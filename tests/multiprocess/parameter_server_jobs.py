@@ -412,6 +412,15 @@ def missing_tasks(out: Path) -> None:
         torch.save({"error": str(error)}, out / "chief-first.pt")
 
 
+def chief_fails(out: Path, ending: str) -> None:
+    """The chief's program raises, inside ``with strategy`` or at its end without close()."""
+    strategy = ParameterServerStrategy(timeout_seconds=60)
+    if ending == "with":
+        with strategy:
+            raise RuntimeError("the chief's program failed")
+    raise RuntimeError("the chief's program failed")
+
+
 def digits_examples(context: mirrored.InputContext) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """fit's dataset function: this worker's shard of the digits (``digits_batches``)."""
     return digits_batches(context)
@@ -419,6 +428,18 @@ def digits_examples(context: mirrored.InputContext) -> list[tuple[torch.Tensor, 
 
 def halve_from_epoch_4(epoch: int, learning_rate: float) -> float:
     return learning_rate / 2 if epoch == 4 else learning_rate
+
+
+def compiled_model(strategy: ParameterServerStrategy) -> mirrored.Model:
+    """``make_model()`` as a ``mirrored.Model`` on ``strategy``, compiled with Adam."""
+    with strategy.scope():
+        model = mirrored.Model(make_model())
+        model.compile(
+            optimizer=torch.optim.Adam(model.parameters(), 3e-3),
+            loss=mirrored.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
+    return model
 
 
 def fit_digits(out: Path, data: str) -> None:
@@ -429,13 +450,7 @@ def fit_digits(out: Path, data: str) -> None:
     with ParameterServerStrategy(
         variable_partitioner=FixedShardsPartitioner(2), timeout_seconds=60
     ) as strategy:
-        with strategy.scope():
-            model = mirrored.Model(make_model())
-            model.compile(
-                optimizer=torch.optim.Adam(model.parameters(), 3e-3),
-                loss=mirrored.losses.SparseCategoricalCrossentropy(from_logits=True),
-                metrics=["accuracy"],
-            )
+        model = compiled_model(strategy)
         inputs: dict[str, Any] = (
             {"x": digits_examples} if data == "function" else {"x": x, "y": y, "batch_size": BATCH}
         )
@@ -484,6 +499,19 @@ def fit_digits(out: Path, data: str) -> None:
         )
 
 
+def fit_verbose(out: Path, verbose: str) -> None:
+    """fit, evaluate and predict printing their progress (``verbose`` 1, 2 or "auto"; the
+    output is a pipe), with no ``close()``: the tasks end when the chief's program does."""
+    (x, y), (x_test, y_test) = digits()
+    model = compiled_model(ParameterServerStrategy(timeout_seconds=60))
+    chosen = verbose if verbose == "auto" else int(verbose)
+    steps = {"epochs": 2, "steps_per_epoch": 3, "validation_data": (x_test, y_test)}
+    history = model.fit(x, y, batch_size=BATCH, verbose=chosen, **steps)
+    model.evaluate(x_test, y_test, verbose=chosen)
+    model.predict(x_test[:10], verbose=chosen)
+    torch.save({"history": history.history}, out / "chief.pt")
+
+
 JOBS = (
     train_digits,
     synchronous_rounds,
@@ -492,5 +520,7 @@ JOBS = (
     rejoin,
     coordinator_rules,
     missing_tasks,
+    chief_fails,
     fit_digits,
+    fit_verbose,
 )

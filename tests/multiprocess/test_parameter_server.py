@@ -165,6 +165,18 @@ def test_a_lost_coordinator_ends_every_other_task_with_an_error(tmp_path: Path) 
         assert "is gone" in worker.output
 
 
+@pytest.mark.parametrize("ending", ["with", "without close"])
+def test_a_chief_that_fails_ends_every_other_task_with_an_error_naming_its_own(
+    tmp_path: Path, ending: str
+) -> None:
+    workers = run_workers("chief_fails", tmp_path, 5, cluster="ps:2:2", args=[ending], timeout=90)
+    for worker in workers:
+        assert worker.returncode == 1, worker.output
+        assert "RuntimeError: the chief's program failed" in worker.output, worker.output
+    for worker in workers[1:]:
+        assert "the coordinator's program (the chief task) failed" in worker.output
+
+
 @pytest.mark.parametrize("data", ["function", "arrays"])
 def test_fit_evaluate_predict_save_and_load_on_parameter_servers(tmp_path: Path, data: str) -> None:
     workers = run_workers("fit_digits", tmp_path, 5, cluster="ps:2:2", args=[data], timeout=240)
@@ -188,3 +200,16 @@ def test_fit_evaluate_predict_save_and_load_on_parameter_servers(tmp_path: Path,
     )
     assert "x is a DataLoader: on a ParameterServerStrategy" in errors["a DataLoader"]
     assert "y= with a dataset function" in errors["y with a dataset function"]
+
+
+@pytest.mark.parametrize("verbose", ["1", "2", "auto"])
+def test_fit_prints_its_progress_and_the_tasks_end_with_the_chief_s_program(
+    tmp_path: Path, verbose: str
+) -> None:
+    """The chief's output is a pipe ("auto" prints a line per epoch there); the program never
+    calls close(), and every task still ends, with status 0."""
+    workers = run_workers("fit_verbose", tmp_path, 5, cluster="ps:2:2", args=[verbose])
+    assert_all_succeeded(workers)
+    chief = workers[CHIEF].output
+    assert "Epoch 2/2" in chief and "val_accuracy:" in chief, chief
+    assert len(torch.load(tmp_path / "chief.pt", weights_only=True)["history"]["loss"]) == 2
