@@ -24,7 +24,7 @@ import pytest
 from mirrored import cli, launch
 
 WORKER = """
-import json, os, sys, time
+import atexit, json, os, sys, time
 import torch
 import torch.distributed as dist
 
@@ -43,10 +43,14 @@ def write(name, value):
 write("pid", os.getpid())
 if mode == "exit-first" and attempt == 0 and rank == 1:
     os._exit(1)
+if mode == "abort-at-exit" and rank == 1:  # as torch's teardown sometimes does
+    atexit.register(os.abort)
 dist.init_process_group("gloo")
 total = torch.tensor([float(rank + 1)])
 dist.all_reduce(total)
 write("result", {"sum": total.item(), "env": dict(os.environ), "argv": sys.argv[3:]})
+if mode == "abort" and rank == 1:
+    os.abort()
 if mode == "hold":  # until the test has looked at the job (or killed a worker)
     while not os.path.exists(os.path.join(out, "release")):
         time.sleep(0.05)
@@ -78,7 +82,7 @@ def count_down(model, optimizer):
     return rpc.get_worker_info().name
 
 
-with mirrored.ParameterServerStrategy(timeout_seconds=60) as strategy:  # only the chief goes on
+def train(strategy):
     coordinator = mirrored.ClusterCoordinator(strategy)
     module = Counter()
     model, optimizer = strategy.mirror(module, torch.optim.SGD(module.parameters(), lr=1.0))
@@ -87,6 +91,15 @@ with mirrored.ParameterServerStrategy(timeout_seconds=60) as strategy:  # only t
     model.pull()
     with open(sys.argv[1], "w") as f:
         json.dump({"value": module.value.tolist(), "ran_on": [r.fetch() for r in runs]}, f)
+
+
+if sys.argv[2] == "close":
+    with mirrored.ParameterServerStrategy(timeout_seconds=60) as strategy:  # the chief goes on
+        train(strategy)
+else:  # as TensorFlow's programs end: without close()
+    train(mirrored.ParameterServerStrategy(timeout_seconds=60))
+    if sys.argv[2] == "raise":
+        raise RuntimeError("the chief's program failed")
 """
 
 
@@ -122,8 +135,11 @@ def _wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 60) -
 
 
 @contextmanager
-def _launcher(tmp_path: Path, *flags: str) -> Iterator[subprocess.Popen[bytes]]:
+def _launcher(
+    tmp_path: Path, *flags: str, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
     """``python -m mirrored.launch FLAGS`` in tmp_path; output in tmp_path/launcher.{out,err}."""
+    tmp_path.mkdir(exist_ok=True)
     (tmp_path / "worker.py").write_text(WORKER)
     (tmp_path / "out").mkdir()
     with open(tmp_path / "launcher.out", "wb") as out, open(tmp_path / "launcher.err", "wb") as err:
@@ -133,6 +149,7 @@ def _launcher(tmp_path: Path, *flags: str) -> Iterator[subprocess.Popen[bytes]]:
             stdout=out,
             stderr=err,
             start_new_session=True,
+            env={**os.environ, **(env or {})},
         )
     try:
         yield proc
@@ -251,13 +268,19 @@ def test_a_failed_worker_restarts_the_group(tmp_path: Path, max_restarts: int) -
 
 
 @pytest.mark.timeout(120)
-def test_num_ps_launches_a_parameter_server_cluster(tmp_path: Path) -> None:
-    """4 processes with --num-ps 1: a chief, 2 workers, a ps task; 10 updates of -1 each."""
+@pytest.mark.parametrize("ending", ["close", "return", "raise"])
+def test_num_ps_launches_a_parameter_server_cluster(tmp_path: Path, ending: str) -> None:
+    """4 processes with --num-ps 1: a chief, 2 workers, a ps task; 10 updates of -1 each. The
+    job ends with the chief's program, whether it closes the strategy or not, with its status."""
     (tmp_path / "ps_job.py").write_text(PS_JOB)
     result = tmp_path / "result.json"
-    flags = ["--nproc-per-node", "4", "--num-ps", "1", "ps_job.py", str(result)]
+    flags = ["--nproc-per-node", "4", "--num-ps", "1", "ps_job.py", str(result), ending]
     with _launcher(tmp_path, *flags) as proc:
-        assert proc.wait(timeout=90) == 0, _stderr(tmp_path)
+        code = proc.wait(timeout=90)
+    if ending == "raise":
+        assert code == 1 and "RuntimeError: the chief's program failed" in _stderr(tmp_path)
+    else:
+        assert code == 0, _stderr(tmp_path)
     written = json.loads(result.read_text())
     assert written["value"] == [-10.0, -10.0, -10.0]
     assert set(written["ran_on"]) <= {"worker0", "worker1"} and len(written["ran_on"]) == 10
@@ -274,6 +297,58 @@ def test_a_sigkilled_worker_stops_the_others(tmp_path: Path) -> None:
     assert code == 1
     assert "Signal 9 (SIGKILL)" in _stderr(tmp_path)
     assert not _alive(pids[0, 0]) and not _alive(pids[1, 0])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["abort-at-exit", "abort"])
+def test_a_worker_aborting_after_its_program_finished_counts_as_finished(
+    tmp_path: Path, mode: str
+) -> None:
+    """Rank 1 aborts (SIGABRT) once its program has returned, as torch's teardown sometimes
+    does: the job succeeds, not restarted. Aborting inside the program still fails it."""
+    out = tmp_path / "out"
+    flags = ["--nproc-per-node", "2", "--max-restarts", "1", "worker.py", str(out), mode]
+    with _launcher(tmp_path, *flags) as proc:
+        code = proc.wait(timeout=90)
+    err = _stderr(tmp_path)
+    if mode == "abort-at-exit":
+        assert code == 0, err
+        assert sorted(_read(out, "result")) == [(0, 0), (1, 0)]  # one attempt
+        assert "rank 1 finished its program, then its process ended with signal SIGABRT" in err
+    else:
+        assert code == 1 and "Signal 6 (SIGABRT)" in err, err
+        assert sorted(_read(out, "result")) == [(0, 0), (0, 1), (1, 0), (1, 1)]  # restarted
+
+
+@pytest.mark.timeout(180)
+def test_workers_of_a_killed_launcher_stop_and_the_next_launch_removes_its_folder(
+    tmp_path: Path,
+) -> None:
+    """A launcher killed with SIGKILL: its workers stop; a launch while it ran left its folder
+    alone, the next one removes it."""
+    out, temp = tmp_path / "out", tmp_path / "tmp"
+    temp.mkdir()
+    env = {"TMPDIR": str(temp)}
+
+    def launch_another(where: Path) -> None:
+        where.mkdir()
+        (where / "hello.py").write_text("print('hello')\n")
+        with _launcher(where, "hello.py", env=env) as another:
+            assert another.wait(timeout=60) == 0, _stderr(where)
+
+    with _launcher(tmp_path, "--nproc-per-node", "2", "worker.py", str(out), "hold", env=env) as a:
+        _wait_for(lambda: len(_read(out, "result")) == 2 or a.poll() is not None, "2 workers")
+        folders = list(temp.iterdir())
+        assert [f.name.startswith("mirrored-launch-") for f in folders] == [True], folders
+        launch_another(tmp_path / "while_it_runs")
+        assert list(temp.iterdir()) == folders  # the running launcher's folder is kept
+        os.kill(a.pid, signal.SIGKILL)
+        a.wait()
+        pids = _read(out, "pid").values()
+        _wait_for(lambda: not any(_alive(pid) for pid in pids), "the workers to stop")
+    assert "the launcher (process " in _stderr(tmp_path)
+    launch_another(tmp_path / "after_it")
+    assert list(temp.iterdir()) == []
 
 
 @pytest.mark.timeout(120)

@@ -8,10 +8,17 @@ Each worker gets torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WOR
 MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT, ...; OMP_NUM_THREADS, unless set, is the
 node's cores shared among its workers). A failed worker group is restarted up to
 ``--max-restarts`` times; the exit status is 0, or 1 after the last failure, with torchrun's
-summary of which rank failed and how. torch's elastic agent does the work (``launch_agent`` of
-``torch.distributed.launcher.api``). What this module changes is where the rendezvous store
-listens, because the store has no authentication: whoever reaches its port can read and write
-the job's keys, join the job or stall it.
+summary of which rank failed and how. torch's elastic agent does the work (``LocalElasticAgent``,
+run as torch's ``launch_agent`` runs it). What this module changes:
+
+- where the rendezvous store listens, because the store has no authentication: whoever reaches
+  its port can read and write the job's keys, join the job or stall it (below);
+- how a job ends. Each worker runs its program through ``mirrored.launch_worker``, which marks
+  the program finished once it has returned: a worker that torch's teardown then aborts counts
+  as finished (never restarted, never reported failed), and workers stop by themselves when
+  their launcher is killed. Error files and markers live in a folder of the launch,
+  ``mirrored-launch-*`` in the temporary directory, locked while its launcher runs: the next
+  launch removes those of launchers killed with SIGKILL.
 
 Sockets that listen, and where:
 
@@ -46,8 +53,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import ipaddress
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -58,7 +67,10 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from torch.distributed import PrefixStore, Store, TCPStore
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
+from torch.distributed.elastic.multiprocessing.api import SubprocessContext
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import (
     RendezvousHandler,
@@ -67,8 +79,8 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousStoreInfo,
     rendezvous_handler_registry,
 )
-from torch.distributed.launcher.api import LaunchConfig, launch_agent
 
+from mirrored.launch_worker import FINISHED_DIR, LAUNCHER_PID, finished_marker
 from mirrored.worker_group import loopback_interface
 
 __all__ = ["LaunchPlan", "add_arguments", "launch", "main", "run_arguments"]
@@ -78,6 +90,7 @@ _RUN_ID = "mirrored"  # the same on every node: it prefixes the job's keys in th
 _RENDEZVOUS_TIMEOUT_S = 900  # torchrun's default wait for the other nodes
 # The agent installs handlers for these (TORCHELASTIC_SIGNALS_TO_HANDLE) and never removes them.
 _AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+_FOLDER_PREFIX = "mirrored-launch-"  # each launch's folder in the temporary directory
 
 
 @dataclass(frozen=True)
@@ -298,14 +311,130 @@ def _restored_process_state() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+class _Agent(LocalElasticAgent):
+    """torch's agent, except that a worker which finished its program (its
+    ``mirrored.launch_worker`` marker is there) counts as succeeded whatever its exit status:
+    torch's teardown sometimes aborts a process after its program returned, and a finished job
+    must be neither restarted nor reported failed."""
+
+    def __init__(self, spec: WorkerSpec, logs_specs: DefaultLogsSpecs, folder: str) -> None:
+        super().__init__(spec, logs_specs)
+        self._folder = folder
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        workers = self._pcontext
+        if isinstance(workers, SubprocessContext):  # always: the entrypoint is a command
+            for local_rank, handler in workers.subprocess_handlers.items():
+                status = handler.proc.poll()
+                env = workers.envs[local_rank]
+                marker = finished_marker(
+                    self._folder, env["TORCHELASTIC_RESTART_COUNT"], env["RANK"]
+                )
+                if status and os.path.exists(marker):
+                    print(
+                        f"mirrored launch: rank {env['RANK']} finished its program, then its "
+                        f"process ended with {_describe(status)}; it counts as finished",
+                        file=sys.stderr,
+                    )
+                    handler.proc.returncode = 0  # what torch's poll of the process reads next
+        return super()._monitor_workers(worker_group)
+
+
+def _describe(status: int) -> str:
+    if status < 0:
+        with contextlib.suppress(ValueError):
+            return f"signal {signal.Signals(-status).name}"
+    return f"exit status {status}"
+
+
+@contextlib.contextmanager
+def _launch_folder() -> Iterator[str]:
+    """A folder of this launch (the workers' error files and finished markers), removed at the
+    end. It is locked (``flock``) for as long as its launcher runs, so that the next launch can
+    remove the folders of launchers killed with SIGKILL; a folder gets its final name only once
+    locked, so no launch ever takes another's for abandoned."""
+    _remove_abandoned_folders()
+    staging = tempfile.mkdtemp(prefix="mirrored-new-")
+    lock = os.open(staging, os.O_RDONLY)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        folder = os.path.join(os.path.dirname(staging), _FOLDER_PREFIX + staging.rsplit("-", 1)[1])
+        os.rename(staging, folder)
+        try:
+            yield folder
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+    finally:
+        os.close(lock)
+
+
+def _remove_abandoned_folders() -> None:
+    """Remove the folders of launchers that are gone: those no process holds locked."""
+    root = tempfile.gettempdir()
+    for name in os.listdir(root):
+        if not name.startswith(_FOLDER_PREFIX):
+            continue
+        path = os.path.join(root, name)
+        try:
+            lock = os.open(path, os.O_RDONLY)
+        except OSError:  # another user's, or removed meanwhile
+            continue
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # its launcher is running
+            os.close(lock)
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        os.close(lock)
+
+
+def _run_agent(plan: LaunchPlan, port: int, folder: str) -> None:
+    """torch's ``launch_agent``, with our agent; raises ``ChildFailedError`` after the last
+    failure."""
+    command = ["-u", "-m", "mirrored.launch_worker"]
+    command += [*(["-m"] if plan.module else []), plan.program, *plan.args]
+    handler = rendezvous_handler_registry.create_handler(
+        RendezvousParameters(
+            backend=_BACKEND,
+            endpoint=f"{plan.master_addr}:{port}",
+            run_id=_RUN_ID,
+            min_nodes=plan.nnodes,
+            max_nodes=plan.nnodes,
+            master_addr=plan.master_addr,
+            master_port=port,
+            node_rank=plan.node_rank,
+        )
+    )
+    spec = WorkerSpec(
+        role="default",
+        local_world_size=plan.nproc_per_node,
+        entrypoint=sys.executable,
+        args=tuple(command),
+        rdzv_handler=handler,
+        max_restarts=plan.max_restarts,
+        monitor_interval=plan.monitor_interval,
+    )
+    agent = _Agent(spec, DefaultLogsSpecs(log_dir=os.path.join(folder, "logs")), folder)
+    closing = True
+    try:
+        result = agent.run()
+        if result.is_failed():
+            raise ChildFailedError(name=plan.program, failures=result.failures)
+    except SignalException:
+        closing = False  # as torch's launch_agent: a signalled agent leaves the rendezvous open
+        raise
+    finally:
+        if closing:
+            handler.shutdown()
+
+
 def launch(plan: LaunchPlan) -> int:
     """Run ``plan`` on this node and wait for it; the exit status: 0, or 1 after a failure."""
     rendezvous_handler_registry.register(_BACKEND, _create_rendezvous)
-    command = ["-u", *(["-m"] if plan.module else []), plan.program, *plan.args]
     # Node 0 hosts the agents' store from the start: the other nodes connect to it at once.
     server = _serve(plan.master_addr, plan.master_port) if plan.node_rank == 0 else None
     port = plan.master_port if server is None else server.port
-    with _restored_process_state(), tempfile.TemporaryDirectory(prefix="mirrored-") as log_dir:
+    with _restored_process_state(), _launch_folder() as folder:
         # torchrun sets 1; a share of the cores each keeps CPU workers from competing or idling.
         if plan.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
             os.environ["OMP_NUM_THREADS"] = str(max(1, _num_cpus() // plan.nproc_per_node))
@@ -314,24 +443,10 @@ def launch(plan: LaunchPlan) -> int:
         loopback = loopback_interface()
         if loopback and "GLOO_SOCKET_IFNAME" not in os.environ and _is_loopback(plan.master_addr):
             os.environ["GLOO_SOCKET_IFNAME"] = loopback
-        config = LaunchConfig(
-            min_nodes=plan.nnodes,
-            max_nodes=plan.nnodes,
-            nproc_per_node=plan.nproc_per_node,
-            run_id=_RUN_ID,
-            rdzv_backend=_BACKEND,
-            rdzv_endpoint=f"{plan.master_addr}:{port}",
-            rdzv_configs={
-                "master_addr": plan.master_addr,
-                "master_port": port,
-                "node_rank": plan.node_rank,
-            },
-            max_restarts=plan.max_restarts,
-            monitor_interval=plan.monitor_interval,
-            logs_specs=DefaultLogsSpecs(log_dir=log_dir),
-        )
+        os.environ[FINISHED_DIR] = folder
+        os.environ[LAUNCHER_PID] = str(os.getpid())
         try:
-            launch_agent(config, sys.executable, command)
+            _run_agent(plan, port, folder)
         except ChildFailedError as error:
             print(error.format_msg(), file=sys.stderr)
             return 1
