@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from mirrored import cli, launch
+from mirrored import cli, launch, launch_worker
 
 WORKER = """
 import atexit, json, os, sys, time
@@ -48,7 +48,8 @@ if mode == "abort-at-exit" and rank == 1:  # as torch's teardown sometimes does
 dist.init_process_group("gloo")
 total = torch.tensor([float(rank + 1)])
 dist.all_reduce(total)
-write("result", {"sum": total.item(), "env": dict(os.environ), "argv": sys.argv[3:]})
+write("result", {"sum": total.item(), "env": dict(os.environ), "argv": sys.argv[3:],
+                 "file": __file__, "path0": sys.path[0]})
 if mode == "abort" and rank == 1:
     os.abort()
 if mode == "hold":  # until the test has looked at the job (or killed a worker)
@@ -230,6 +231,9 @@ def test_two_workers_all_reduce_with_torchrun_env_on_loopback_only(tmp_path: Pat
     for rank, env in enumerate(envs):
         assert results[rank, 0]["sum"] == 3.0
         assert results[rank, 0]["argv"] == ["--x", "1"]
+        # As python worker.py: __main__'s file (absolute) and its folder first on sys.path.
+        assert results[rank, 0]["file"] == str(tmp_path / "worker.py")
+        assert results[rank, 0]["path0"] == str(tmp_path)
         assert env["RANK"] == env["LOCAL_RANK"] == str(rank)
         assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == "2"
         assert env["MASTER_ADDR"] == "127.0.0.1" and env["MASTER_PORT"] == port != "0"
@@ -420,6 +424,11 @@ def test_a_port_in_use_exits_2(
     assert f"--master-addr 127.0.0.1 --master-port {port}: cannot listen there" in (
         capsys.readouterr().err
     )
+
+
+def test_the_worker_side_refuses_to_run_outside_the_launcher() -> None:
+    with pytest.raises(SystemExit, match="run your script with mirrored launch"):
+        launch_worker.main(["worker.py"])
 
 
 def test_plan_errors_name_the_argument() -> None:

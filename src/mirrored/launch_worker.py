@@ -44,7 +44,12 @@ def finished_marker(folder: str, attempt: str, rank: str) -> str:
 
 
 def main(argv: Sequence[str]) -> None:
-    as_module = bool(argv) and argv[0] == "-m"
+    if LAUNCHER_PID not in os.environ or not argv:
+        raise SystemExit(
+            "mirrored.launch_worker runs the workers of mirrored launch; run your script with "
+            "mirrored launch [flags] SCRIPT [ARGS]"
+        )
+    as_module = argv[0] == "-m"
     program, *args = argv[1:] if as_module else argv
     _watch_launcher(int(os.environ[LAUNCHER_PID]))
     try:
