@@ -19,10 +19,12 @@ output folder and backup folder.
 Printed per run and in total: runs; kills; runs ending with the reference's exact weights
 (both ranks); runs the launcher reported failed (exit status not 0); runs that restarted; runs
 whose worker was killed after its program had returned (the launcher counts it finished); what
-was left behind: anything in the run's temporary directory or backup folder, new entries of
-/dev/shm, and worker processes still running once the launcher has exited (torch's compiler
-cache, kept in the temporary directory by design, goes elsewhere: TORCHINDUCTOR_CACHE_DIR). Not
-part of the test run: 50 runs take about half an hour on a 2-core host.
+was left behind: anything in the run's temporary directory or backup folder and worker
+processes still running once the launcher has exited (torch's compiler cache, kept in the
+temporary directory by design, goes elsewhere: TORCHINDUCTOR_CACHE_DIR); at the end, the
+entries of /dev/shm that appeared during the runs and are still there (other programs of a
+shared machine come and go there meanwhile). Not part of the test run: 50 runs take about half
+an hour on a 2-core host.
 """
 
 from __future__ import annotations
@@ -147,7 +149,6 @@ def launch_once(root: Path, kill_at: float | None, rank: int) -> Run:
     out, backup, temp = root / "out", root / "backup", root / "tmp"
     for folder in (out, temp):
         folder.mkdir(parents=True)
-    shm_before = _shm()
     command = [sys.executable, "-m", "mirrored.launch", "--nproc-per-node", "2"]
     command += ["--max-restarts", str(_MAX_RESTARTS), __file__, "train", str(out), str(backup)]
     # torch keeps its compiler's cache in the temporary directory by design: elsewhere here.
@@ -184,7 +185,6 @@ def launch_once(root: Path, kill_at: float | None, rank: int) -> Run:
     leftovers += [str(path.relative_to(root)) for path in sorted(temp.rglob("*"))]
     if backup.exists():
         leftovers += [str(path.relative_to(root)) for path in sorted(backup.rglob("*"))]
-    leftovers += [f"/dev/shm/{name}" for name in sorted(_shm() - shm_before)]
     digests = {
         r: weights_sha256(out / f"rank{r}.pt") if (out / f"rank{r}.pt").exists() else None
         for r in range(2)
@@ -202,6 +202,7 @@ def main() -> None:
     if args.runs < 1:
         parser.error(f"--runs {args.runs}: pass a positive number of runs")
     chooser = random.Random(args.seed)
+    shm_before = _shm()
     workspace = Path(tempfile.mkdtemp(prefix="fault-injection-"))
     reference = launch_once(workspace / "reference", None, 0)
     expected = reference.digests[0]
@@ -239,6 +240,7 @@ def main() -> None:
         f"their program and counted finished: {totals['finished']}, files or processes left "
         f"behind: {totals['leftovers']}"
     )
+    print(f"/dev/shm entries left: {sorted(_shm() - shm_before) or 'none'}")
     shutil.rmtree(workspace / "torchinductor-cache", ignore_errors=True)
     if any(workspace.iterdir()):
         print(f"the folders of the runs that went wrong are kept in {workspace}")
