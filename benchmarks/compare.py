@@ -1,4 +1,4 @@
-"""One table: mirrored against plain PyTorch, DistributedDataParallel and TensorFlow, three models.
+"""One table: mirrored against plain PyTorch, DistributedDataParallel and TensorFlow, four models.
 
 Every row trains the same model with Adam (lr 1e-3) on the same synthetic global batches (fixed
 seed) at the same global batch size, and every row but the plain loop splits each batch evenly
@@ -8,7 +8,10 @@ over its replicas. Workloads (``--workloads``):
 - ``bert``: multi_worker.py's BERT-tiny masked LM (2 layers, hidden 128, 2 heads, vocabulary 8000,
   128 tokens with 20 masked), global batch 32;
 - ``cnn``: a small CNN on 3x32x32 images, 10 classes (conv 3->16, ReLU, max-pool 2, conv 16->32,
-  ReLU, max-pool 2, linear 2048->10; 3x3 kernels, padding 1), global batch 128.
+  ReLU, max-pool 2, linear 2048->10; 3x3 kernels, padding 1), global batch 128;
+- ``mobilenet``: the articles' MobileNetV2 job at a small image size: examples/mobilenet.py's
+  ``MobileNetV2`` (torchvision's layers, defined there) on 3x64x64 images, 2 classes, global
+  batch 64.
 
 Rows:
 
@@ -27,14 +30,19 @@ Rows:
 - ``tf-mirrored-1``, ``-2``, ``-4``: ``tf.distribute.MirroredStrategy`` (its defaults) on 1, 2, 4
   of 4 logical CPU devices (``tf.config.set_logical_device_configuration``), each row in a
   process of its own (strategies of different sizes in one process collide on TensorFlow's
-  collective group keys); the same layer shapes in Keras (images channels-last, TensorFlow's
-  CPU layout), oneDNN kernels on (``TF_ENABLE_ONEDNN_OPTS=1`` unless set: TensorFlow's own
+  collective group keys); in Keras, the articles' own programs where they exist: KerasHub's
+  ``BertMaskedLM`` on a randomly initialised ``BertBackbone`` of the bert_tiny shape (no
+  download; inputs ``token_ids``, ``segment_ids`` of zeros, ``padding_mask`` and
+  ``mask_positions``) and ``keras.applications.MobileNetV2(weights=None)`` with a 2-class head
+  (logits), else the same layer shapes (the MLP, the CNN); images channels-last, TensorFlow's
+  CPU layout; oneDNN kernels on (``TF_ENABLE_ONEDNN_OPTS=1`` unless set: TensorFlow's own
   default only on some CPUs), Keras's Adam (lr 1e-3), a ``tf.function`` of ``strategy.run`` with
   ``GradientTape``, ``tf.nn.compute_average_loss`` and ``apply_gradients``, input from
   ``strategy.experimental_distribute_dataset`` of a ``tf.data`` dataset of the same batches;
   TensorFlow's own thread pools. Only when ``tensorflow`` is installed and imports (the
-  ``tensorflow`` extra: ``pip install -e '.[tensorflow]'``); otherwise one line says they were
-  skipped.
+  ``tensorflow`` extra, with KerasHub: ``pip install -e '.[tensorflow]'``); otherwise one line
+  says they were skipped (without ``keras_hub``, the bert workload's TensorFlow rows fail and
+  are left out of it).
 
 Timing: each measurement builds a fresh model and optimizer (and strategy; TensorFlow's are built
 once per row and reused, so that tracing is not repeated), runs 3 warm-up steps, then times
@@ -95,6 +103,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib.util
 import json
 import math
@@ -105,10 +114,13 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import scaling_model
 import torch
 import torch.distributed as dist
 from multi_worker import (
+    SEQ_LEN,
+    VOCAB_SIZE,
     WORKLOADS,
     Workload,
     local_part,
@@ -158,6 +170,9 @@ PROCESS_ROWS = ("mirrored-2proc", "ddp-2proc")
 TF_ROWS = ("tf-mirrored-1", "tf-mirrored-2", "tf-mirrored-4")
 MIRRORED_ROWS = ("mirrored-1", "mirrored-2", "mirrored-4", "mirrored-2proc")
 PEER_ROWS = ("ddp-2proc", *TF_ROWS)
+# The articles' MobileNetV2 job: cats against dogs, at the example's small default image size.
+MOBILENET_SIDE = 64
+MOBILENET_CLASSES = 2
 
 
 # -- the CNN and the workloads ---------------------------------------------------------------------
@@ -178,13 +193,23 @@ def make_cnn() -> nn.Module:
     )
 
 
-def make_image_batches(num_batches: int, batch_size: int) -> list[Batch]:
-    """Synthetic 3x32x32 images and labels of 10 classes; deterministic in every process."""
+def make_mobilenet() -> nn.Module:
+    """examples/mobilenet.py's MobileNetV2 (torchvision's layers, no torchvision needed)."""
+    from mirrored.examples.mobilenet import MobileNetV2
+
+    torch.manual_seed(SEED)
+    return MobileNetV2(num_classes=MOBILENET_CLASSES)
+
+
+def make_image_batches(
+    num_batches: int, batch_size: int, side: int = 32, num_classes: int = 10
+) -> list[Batch]:
+    """Synthetic 3 x side x side images and labels; deterministic in every process."""
     generator = torch.Generator().manual_seed(SEED)
     return [
         (
-            torch.randn(batch_size, 3, 32, 32, generator=generator),
-            torch.randint(0, 10, (batch_size,), generator=generator),
+            torch.randn(batch_size, 3, side, side, generator=generator),
+            torch.randint(0, num_classes, (batch_size,), generator=generator),
         )
         for _ in range(num_batches)
     ]
@@ -214,6 +239,21 @@ SPECS = {
         128,
         40,
         4,
+    ),
+    "mobilenet": Spec(
+        Workload(
+            "mobilenet",
+            f"MobileNetV2 (examples/mobilenet.py) on 3x{MOBILENET_SIDE}x{MOBILENET_SIDE}, "
+            f"{MOBILENET_CLASSES} classes",
+            make_mobilenet,
+            functools.partial(
+                make_image_batches, side=MOBILENET_SIDE, num_classes=MOBILENET_CLASSES
+            ),
+            mlp_loss,
+        ),
+        64,
+        10,
+        2,
     ),
 }
 
@@ -464,53 +504,9 @@ def measure_process_row(pair: Peer, row: str, name: str) -> Record:
 
 
 def _keras_models(tf: Any, keras: Any) -> dict[str, Callable[[], Any]]:
-    """The three models in Keras, with the PyTorch models' layer shapes."""
-    from multi_worker import MASKED_PER_SEQUENCE, SEQ_LEN, VOCAB_SIZE
-
-    hidden, init = 128, keras.initializers.RandomNormal(stddev=0.02)
-
-    class EncoderLayer(keras.layers.Layer):  # torch's TransformerEncoderLayer, post-norm
-        def __init__(self) -> None:
-            super().__init__()
-            self.attention = keras.layers.MultiHeadAttention(
-                num_heads=2, key_dim=hidden // 2, dropout=0.1, kernel_initializer=init
-            )
-            self.norm1 = keras.layers.LayerNormalization(epsilon=1e-12)
-            self.norm2 = keras.layers.LayerNormalization(epsilon=1e-12)
-            self.inner = keras.layers.Dense(512, activation="gelu", kernel_initializer=init)
-            self.outer = keras.layers.Dense(hidden, kernel_initializer=init)
-            self.drops = [keras.layers.Dropout(0.1) for _ in range(3)]
-
-        def call(self, h: Any, mask: Any, training: bool = False) -> Any:
-            a = self.attention(h, h, attention_mask=mask, training=training)
-            h = self.norm1(h + self.drops[0](a, training=training))
-            f = self.outer(self.drops[1](self.inner(h), training=training))
-            return self.norm2(h + self.drops[2](f, training=training))
-
-    class Bert(keras.Model):
-        def __init__(self) -> None:
-            super().__init__()
-            self.token = keras.layers.Embedding(VOCAB_SIZE, hidden, embeddings_initializer=init)
-            self.position = keras.layers.Embedding(SEQ_LEN, hidden, embeddings_initializer=init)
-            self.norm = keras.layers.LayerNormalization(epsilon=1e-12)
-            self.drop = keras.layers.Dropout(0.1)
-            self.blocks = [EncoderLayer() for _ in range(2)]
-            self.head_dense = keras.layers.Dense(hidden, activation="gelu", kernel_initializer=init)
-            self.head_norm = keras.layers.LayerNormalization(epsilon=1e-12)
-
-        def build(self, input_shape: Any) -> None:
-            self.head_bias = self.add_weight(shape=(VOCAB_SIZE,), initializer="zeros")
-
-        def call(self, inputs: Any, training: bool = False) -> Any:
-            ids, attention_mask, positions = inputs
-            length = tf.shape(ids)[1]
-            h = self.token(ids) + self.position(tf.range(length))
-            h = self.drop(self.norm(h), training=training)
-            mask = tf.tile(tf.cast(attention_mask, tf.bool)[:, None, :], [1, length, 1])
-            for block in self.blocks:
-                h = block(h, mask, training=training)
-            h = self.head_norm(self.head_dense(tf.gather(h, positions, batch_dims=1)))
-            return tf.matmul(h, self.token.embeddings, transpose_b=True) + self.head_bias
+    """The models in Keras: the articles' own programs where there are some (KerasHub's
+    BertMaskedLM, keras.applications' MobileNetV2, randomly initialised, nothing downloaded),
+    else the PyTorch models' layer shapes."""
 
     def mlp() -> Any:
         return keras.Sequential(
@@ -535,27 +531,48 @@ def _keras_models(tf: Any, keras: Any) -> dict[str, Callable[[], Any]]:
             ]
         )
 
-    def bert() -> Any:
-        model = Bert()
-        model(
-            (tf.zeros((1, SEQ_LEN), tf.int32),) * 2
-            + (tf.zeros((1, MASKED_PER_SEQUENCE), tf.int32),)
+    def bert() -> Any:  # the bert_tiny preset's shape
+        import keras_hub
+
+        backbone = keras_hub.models.BertBackbone(
+            vocabulary_size=VOCAB_SIZE,
+            num_layers=2,
+            num_heads=2,
+            hidden_dim=128,
+            intermediate_dim=512,
+            max_sequence_length=SEQ_LEN,
         )
-        return model
+        return keras_hub.models.BertMaskedLM(backbone, preprocessor=None)
 
-    return {"mlp": mlp, "cnn": cnn, "bert": bert}
+    def mobilenet() -> Any:
+        return keras.applications.MobileNetV2(
+            input_shape=(MOBILENET_SIDE, MOBILENET_SIDE, 3),
+            weights=None,
+            classes=MOBILENET_CLASSES,
+            classifier_activation=None,
+        )
+
+    return {"mlp": mlp, "cnn": cnn, "bert": bert, "mobilenet": mobilenet}
 
 
-def _tf_arrays(name: str, batches: Sequence[Batch]) -> tuple[tuple[Any, ...], Any]:
-    """The PyTorch batches as numpy (inputs, labels), end to end; images channels-last."""
+def _tf_arrays(name: str, batches: Sequence[Batch]) -> tuple[Any, Any]:
+    """The PyTorch batches as numpy (model input, labels), end to end: images channels-last,
+    BERT's as KerasHub's BertMaskedLM takes them (its padding mask int32: a bool input fails to
+    train on more than one replica, an AddN of bool in tensorflow 2.21 with keras 3.15)."""
     columns = [torch.cat(parts).numpy() for parts in zip(*batches, strict=True)]
     if name == "bert":
         ids, attention_mask, positions, labels = (c.astype("int32") for c in columns)
-        return (ids, attention_mask, positions), labels
+        inputs = {
+            "token_ids": ids,
+            "segment_ids": np.zeros_like(ids),
+            "padding_mask": attention_mask,
+            "mask_positions": positions,
+        }
+        return inputs, labels
     x, y = columns
-    if name == "cnn":
+    if x.ndim == 4:
         x = x.transpose(0, 2, 3, 1).copy()
-    return (x,), y.astype("int32")
+    return x, y.astype("int32")
 
 
 class TensorFlowRow:
@@ -578,7 +595,7 @@ class TensorFlowRow:
 
         def replica_step(inputs: Any, labels: Any) -> Any:
             with tf.GradientTape() as tape:
-                logits = model(inputs if bert else inputs[0], training=True)
+                logits = model(inputs, training=True)
                 losses = tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits)
                 if bert:  # per sequence: the mean over its masked positions
                     losses = tf.reduce_mean(losses, axis=1)
@@ -1049,7 +1066,9 @@ def parse_pairs(text: str, what: str, names: Sequence[str]) -> dict[str, float]:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workloads", default="mlp,bert,cnn", help="comma-separated subset")
+    parser.add_argument(
+        "--workloads", default=",".join(SPECS), help="comma-separated subset (default: all)"
+    )
     parser.add_argument(
         "--steps",
         default="",
