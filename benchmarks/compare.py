@@ -92,8 +92,9 @@ and through the strategy's worker group (shared memory: for mirrored-2proc), fit
 and latencies assumed, printed), from the plain loop's measured phases divided by
 ``--gpu-speedup`` (an assumption; printed) or from ``--compute-ms``.
 
-Run from the repository root (about 6 minutes on 2 cores with the TensorFlow rows, 4 without;
-``--quick`` about a minute):
+Run from the repository root (for the MLP, BERT and the CNN about 6 minutes on 2 cores with the
+TensorFlow rows, 4 without, ``--quick`` about a minute; MobileNetV2 adds minutes more, choose with
+``--workloads``):
 ``.venv/bin/python benchmarks/compare.py [--json PATH] [--png PATH]``; ``--workloads``,
 ``--steps``, ``--rounds``, ``--gpu-speedup``, ``--compute-ms``, ``--no-tf``, ``--timeout``.
 ``--png`` needs matplotlib (``pip install "mirrored[compare]"``).

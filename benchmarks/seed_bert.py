@@ -50,7 +50,7 @@ included on every side), the time outside steps; then the ratios: mirrored-1 ove
 step, and mirrored-4 over keras-hub-4 per step and overall (throughput: above 1, mirrored is
 faster).
 
-Run from the repository root (about 5 minutes a round on 2 cores):
+Run from the repository root (about 12-15 minutes a round on 2 shared cores):
 ``.venv/bin/python benchmarks/seed_bert.py [--data wikitext-2] [--json PATH]``; ``--epochs``,
 ``--steps-per-epoch``, ``--rounds``, ``--sides``, ``--no-tf``, ``--max-predictions``,
 ``--vocab-size``, ``--seq-len``, ``--batch-size``, ``--seed``.
