@@ -142,6 +142,37 @@ def test_a_tiny_run_trains_evaluates_and_logs(tmp_path, capsys):
     )
 
 
+def test_the_vocabulary_is_the_same_every_time_commonest_words_first():
+    lines = bert_mlm.load_texts(None)["train"]
+    first = bert_mlm.train_tokenizer(lines, 1000, 64).get_vocab()
+    assert bert_mlm.train_tokenizer(lines, 1000, 64).get_vocab() == first
+    assert len(first) == 1000
+    assert first["[PAD]"] == 0 and first["the"] < first["module"]  # commoner words first
+    encoded = bert_mlm.train_tokenizer(["a zebra"] * 3 + ["a"], 1000, 8).encode("a zebra")
+    assert encoded.tokens == ["[CLS]", "a", "zebra", "[SEP]", "[PAD]", "[PAD]", "[PAD]", "[PAD]"]
+    rare = bert_mlm.train_tokenizer(["a zebra"], 1000, 8).encode("a bee").tokens
+    assert rare[:5] == ["[CLS]", "a", "b", "##e", "##e"]  # an unseen word spelled out
+
+
+def test_the_same_command_twice_gives_bit_identical_losses_and_weights(monkeypatch, tmp_path):
+    models = []
+    original = bert_mlm.BertMaskedLM
+
+    def recorded(*args, **kwargs):
+        models.append(original(*args, **kwargs))
+        return models[-1]
+
+    monkeypatch.setattr(bert_mlm, "BertMaskedLM", recorded)
+    argv = ["--max-lines", "48", "--seq-len", "32", "--vocab-size", "300", "--batch-size", "16"]
+    argv += ["--epochs", "2", "--logical-devices", "2", "--cpu", "--verbose", "0"]
+    argv += ["--seed", "3"]
+    runs = [bert_mlm.main([*argv, "--log-dir", str(tmp_path / str(run))]) for run in range(2)]
+    assert runs[0] == runs[1]
+    first, second = (model.state_dict() for model in models)
+    for name, value in first.items():
+        assert torch.equal(second[name], value), name
+
+
 def test_more_devices_than_the_split_is_a_clear_error():
     with pytest.raises(ValueError, match=r"--logical-devices 8: .* already split into 4"):
         bert_mlm.main(["--logical-devices", "8", "--cpu", "--max-lines", "40"])
