@@ -250,6 +250,10 @@ def test_shape_errors_name_both_shapes():
         sparse(torch.tensor([0, 5]), torch.zeros(2, 5))
     with pytest.raises(ValueError, match=r"class id -2"):
         sparse(torch.tensor([0, -2]), torch.zeros(2, 5))
+    with pytest.raises(ValueError, match=r"class id -100"):  # torch's ignore_index: not ignored
+        sparse(torch.tensor([0, -100]), torch.zeros(2, 5))
+    with pytest.raises(ValueError, match=r"class id 5 but y_pred has 5 classes"):
+        losses.SparseCategoricalCrossentropy()(torch.tensor([0, 5]), torch.full((2, 5), 0.2))
     categorical = losses.CategoricalCrossentropy(from_logits=True)
     with pytest.raises(ValueError, match="use SparseCategoricalCrossentropy"):
         categorical(torch.zeros(4, dtype=torch.long), torch.zeros(4, 5))

@@ -174,7 +174,7 @@ def split_batch(
         all_sizes = shard_sizes(batch_size, num_shards or len(devices))
     else:
         all_sizes = sizes_of(batch_size)
-    global_batch_size = global_batch_size or batch_size_of(batch)
+    global_batch_size = global_batch_size or batch_size
     start = sum(all_sizes[:first_shard])
     sizes = all_sizes[first_shard : first_shard + len(devices)]
 

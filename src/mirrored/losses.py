@@ -51,6 +51,7 @@ __all__ = [
 
 # -- Keras-named loss objects ----------------------------------------------------------------------
 
+_NO_IGNORED_CLASS = -(2**63)  # an ignore_index for F.cross_entropy that no class id equals
 _EPSILON = 1e-7  # keras.backend.epsilon(): probabilities are clipped to [eps, 1 - eps]
 # How far outside [0, 1] "probabilities" may stray (rounding) before the first-call check calls
 # them logits.
@@ -246,6 +247,33 @@ class SparseCategoricalCrossentropy(Loss):
             )
         return ids.long()
 
+    def _check_class_ids(self, ids: torch.Tensor, num_classes: int) -> None:
+        """Every id in 0..num_classes-1, else a ValueError naming one outside."""
+        if ids.numel() == 0:
+            return
+        low, high = torch.stack(torch.aminmax(ids)).tolist()
+        if low < 0 or high >= num_classes:
+            raise ValueError(
+                f"{self.name}: y_true holds class id {low if low < 0 else high} but y_pred has "
+                f"{num_classes} classes (ids 0..{num_classes - 1})"
+            )
+
+    def _cross_entropy_of_logits(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """torch's fused cross-entropy, one value per id; it checks the ids' range itself on
+        the host, and no id is ignored (torch's default ignores -100)."""
+        num_classes = logits.shape[-1]
+        try:
+            losses = F.cross_entropy(
+                logits.reshape(-1, num_classes),
+                ids.reshape(-1),
+                reduction="none",
+                ignore_index=_NO_IGNORED_CLASS,
+            )
+        except IndexError:  # torch's "Target 5 is out of bounds.": say which input and why
+            self._check_class_ids(ids, num_classes)
+            raise
+        return losses.reshape(ids.shape)
+
     def valid_mask(self, y_true: Any, y_pred: Any) -> torch.Tensor | None:
         if self.ignore_class is None:
             return None
@@ -258,20 +286,13 @@ class SparseCategoricalCrossentropy(Loss):
         valid = None if self.ignore_class is None else ids != self.ignore_class
         if valid is not None:
             ids = ids.masked_fill(~valid, 0)
-        num_classes = pred.shape[-1]
-        if ids.device.type == "cpu" and ids.numel() > 0:
-            # Cheap on the host; on an accelerator it would cost a host sync per call.
-            low, high = torch.stack(torch.aminmax(ids)).tolist()
-            if low < 0 or high >= num_classes:
-                raise ValueError(
-                    f"{self.name}: y_true holds class id {low if low < 0 else high} but y_pred "
-                    f"has {num_classes} classes (ids 0..{num_classes - 1})"
-                )
-        picked = pred.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
         if self.from_logits:
-            losses = torch.logsumexp(pred, dim=-1) - picked
+            losses = self._cross_entropy_of_logits(pred, ids)
         else:
+            if ids.device.type == "cpu":  # on an accelerator: a host sync per call
+                self._check_class_ids(ids, pred.shape[-1])
             self._check_probabilities(pred)
+            picked = pred.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
             probability = picked / pred.sum(dim=-1)
             losses = -probability.clamp(_EPSILON, 1.0 - _EPSILON).log()
         return losses if valid is None else losses.masked_fill(~valid, 0.0)

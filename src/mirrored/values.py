@@ -84,6 +84,8 @@ def _is_namedtuple(value: Any) -> bool:
 def map_structure(fn: Callable[..., Any], *structures: Any) -> Any:
     """Apply ``fn`` to the leaves of same-shaped nested structures, keeping the shape."""
     first = structures[0]
+    if isinstance(first, torch.Tensor):  # the usual leaf, first: fit maps every batch
+        return fn(*structures)
     if isinstance(first, dict):
         pairs = [(k, map_structure(fn, *(s[k] for s in structures))) for k in first]
         if type(first) is dict:
