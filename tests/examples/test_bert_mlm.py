@@ -201,3 +201,29 @@ def test_help_and_bad_flags(capsys):
         bert_mlm.main(["--batch-size", "0"])
     assert exit_info.value.code == 2
     assert "--batch-size 0: expected a positive integer" in capsys.readouterr().err
+
+
+def test_bert_layer_computes_torch_s_transformer_encoder_layer():
+    torch.manual_seed(0)
+    ours = bert_mlm.BertLayer(32, 4, 64, dropout=0.1).eval()
+    torch_s = torch.nn.TransformerEncoderLayer(
+        32, 4, 64, 0.1, activation="gelu", layer_norm_eps=1e-12, batch_first=True
+    ).eval()
+    with torch.no_grad():
+        torch_s.self_attn.in_proj_weight.copy_(ours.qkv.weight)
+        torch_s.self_attn.in_proj_bias.copy_(ours.qkv.bias)
+        pairs = [
+            (torch_s.self_attn.out_proj, ours.attention_output),
+            (torch_s.norm1, ours.attention_norm),
+            (torch_s.linear1, ours.intermediate),
+            (torch_s.linear2, ours.output),
+            (torch_s.norm2, ours.output_norm),
+        ]
+        for theirs, mine in pairs:
+            theirs.load_state_dict(mine.state_dict())
+    hidden = torch.randn(3, 10, 32)
+    attention_mask = torch.ones(3, 10, dtype=torch.long)
+    attention_mask[1, 6:] = 0
+    expected = torch_s(hidden, src_key_padding_mask=attention_mask == 0)
+    actual = ours(hidden, (attention_mask != 0)[:, None, None, :])
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
