@@ -3,8 +3,8 @@
 """``mnist_upstream.py`` ported to ``MirroredStrategy`` with as few changed lines as we could:
 the functions that change (``train`` and ``main``); ``Net`` and ``test`` are upstream's, unchanged.
 
-The README's "Porting a PyTorch loop" quotes the diff of these two functions against upstream's
-(``tests/clients/test_mnist_port.py`` checks that it does).
+docs/migrating/from-pytorch.md's "Porting a PyTorch loop" quotes the diff of these two functions
+against upstream's (``tests/clients/test_mnist_port.py`` checks that it does).
 """
 import torch
 import torch.nn.functional as F

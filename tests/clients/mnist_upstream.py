@@ -4,9 +4,9 @@
 but for what ties it to torchvision and the command line: ``main`` takes the parsed ``args`` and
 the two datasets instead of reading MNIST, and returns the trained model.
 
-``mnist_port.py`` is the same program ported to ``MirroredStrategy``; the README's "Porting a
-PyTorch loop" quotes the diff between the two (``tests/clients/test_mnist_port.py`` checks that
-it is this diff).
+``mnist_port.py`` is the same program ported to ``MirroredStrategy``; "Porting a PyTorch loop" in
+docs/migrating/from-pytorch.md quotes the diff between the two (``tests/clients/test_mnist_port.py``
+checks that it is this diff).
 """
 import torch
 import torch.nn as nn

@@ -1,5 +1,6 @@
 """pytorch/examples' MNIST program ported to MirroredStrategy: the port trains and reports what
-the plain program does, and the README's "Porting a PyTorch loop" shows the port as it runs.
+the plain program does, and docs/migrating/from-pytorch.md's "Porting a PyTorch loop" shows the
+port as it runs.
 
 The data are scikit-learn's handwritten digits scaled up to MNIST's 28x28 and normalised with
 MNIST's statistics (no torchvision, no download), 90 training examples in batches of 64 and a
@@ -28,7 +29,7 @@ import mirrored
 from tests.clients import mnist_port, mnist_upstream
 from tests.reference_loops import assert_same_parameters
 
-README = Path(__file__).parents[2] / "README.md"
+PORTING_PAGE = Path(__file__).parents[2] / "docs" / "migrating" / "from-pytorch.md"
 TRAIN_LINE = re.compile(r"Train Epoch: (\d+) \[(\d+)/(\d+) \((\d+)%\)\]\tLoss: (\d+\.\d+)")
 
 
@@ -123,7 +124,7 @@ def _changed_functions(module: object) -> list[str]:
 
 
 def port_diff() -> str:
-    """The unified diff of the functions the port changes, as the README quotes it."""
+    """The unified diff of the functions the port changes, as the documentation quotes it."""
     return "".join(
         difflib.unified_diff(
             _changed_functions(mnist_upstream),
@@ -144,17 +145,17 @@ def changed_lines_ignoring_whitespace() -> tuple[int, int]:
     return sum(d.startswith("- ") for d in diff), sum(d.startswith("+ ") for d in diff)
 
 
-def _readme_section() -> str:
-    text = README.read_text()
+def _porting_section() -> str:
+    text = PORTING_PAGE.read_text()
     start = text.index("## Porting a PyTorch loop")
     end = text.find("\n## ", start + 1)
     return text[start : end if end >= 0 else len(text)]
 
 
-def test_readme_quotes_the_diff_the_test_runs() -> None:
-    section = _readme_section()
+def test_docs_quote_the_diff_the_test_runs() -> None:
+    section = _porting_section()
     quoted = re.search(r"```diff\n(.*?)```", section, re.DOTALL)
-    assert quoted is not None, "the README's porting section has no diff block"
+    assert quoted is not None, "the porting section has no diff block"
     assert quoted[1] == port_diff()
     removed, added = changed_lines_ignoring_whitespace()
     assert f"{removed} lines removed and {added} added" in section
