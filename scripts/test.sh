@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up a virtual environment and run everything CI runs: lint, format, type check, all tests.
+# Set up a virtual environment and run everything CI runs: lint, format, type check, the strict
+# documentation build, all tests.
 # Usage: bash scripts/test.sh [pytest arguments]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,9 +10,10 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # torch is pinned to the CPU build shipped on this project's machines; pyproject keeps a loose range.
 .venv/bin/pip install -q torch==2.13.0
-.venv/bin/pip install -q -e ".[test]"
+.venv/bin/pip install -q -e ".[test,docs]"
 
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/mypy
+NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet  # into site/, ignored by git
 .venv/bin/python -m pytest -q "$@"

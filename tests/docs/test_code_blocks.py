@@ -255,3 +255,20 @@ def test_commands_that_do_not_run_here_name_what_exists(block: Block) -> None:
         if not (ROOT / path).exists() or f"def {name}(" not in (ROOT / path).read_text():
             problems.append(f"covered-by names no test: {covered.argument}")
     assert not problems, f"{block.name}: " + "; ".join(problems)
+
+
+def test_every_file_block_is_run_by_a_shell_block() -> None:
+    """A ``file`` block no ``run`` block uses would never be executed."""
+    unused = []
+    for block in BLOCKS:
+        written = block.directive("file")
+        if written is None:
+            continue
+        runs = [
+            b
+            for b in SHELL_RUNS
+            if b.path == block.path and b.line > block.line and written.argument in b.code
+        ]
+        if not runs:
+            unused.append(f"{block.name}: {written.argument} is run by no shell block")
+    assert not unused, "\n".join(unused)
