@@ -1,17 +1,21 @@
-"""MkDocs hooks: put benchmarks/RESULTS.md and the benchmarks' PNG charts into the site.
+"""MkDocs hooks.
 
-They stay where the benchmarks write them; the site reads them from there (as
-``benchmarks/RESULTS.md`` and ``benchmarks/*.png``), so no copy can go stale.
+- ``benchmarks/RESULTS.md`` and the benchmarks' PNG charts go into the site from where the
+  benchmarks write them, so no copy can go stale.
+- Sphinx roles in docstrings (``:mod:`mirrored.powersgd```), which Markdown leaves as text
+  before the code span, are reduced to the code span.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
 from mkdocs.structure.files import File, Files
 
 ROOT = Path(__file__).resolve().parents[1]
+_SPHINX_ROLE = re.compile(r":(?:mod|class|func|meth|attr|data|exc|obj):(?=<code>)")
 
 
 def on_files(files: Files, config: Any) -> Files:
@@ -25,3 +29,7 @@ def on_files(files: Files, config: Any) -> Files:
             )
         )
     return files
+
+
+def on_page_content(html: str, **kwargs: Any) -> str:
+    return _SPHINX_ROLE.sub("", html)
