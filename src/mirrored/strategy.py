@@ -266,11 +266,12 @@ class Strategy:
         rendezvous.begin(replica_id)
         try:
             with context.replica_scope(replica), self._replica_scope(replica_id):
-                for leaf in flatten((args, kwargs)):
-                    if isinstance(leaf, torch.Tensor) and leaf.is_cuda:
-                        # Made on the caller's stream, used on this replica's: keep its memory
-                        # from being reused before this replica is done with it.
-                        leaf.record_stream(torch.cuda.current_stream())
+                if exchange.device.type == "cuda":
+                    for leaf in flatten((args, kwargs)):
+                        if isinstance(leaf, torch.Tensor) and leaf.is_cuda:
+                            # Made on the caller's stream, used on this replica's: keep its
+                            # memory from being reused before this replica is done with it.
+                            leaf.record_stream(torch.cuda.current_stream())
                 result = fn(*args, **kwargs)
                 for module in buffers:
                     module.sync_buffers(replica)
