@@ -113,10 +113,11 @@ class Metric:
 
 def _mean_state(values: Any, sample_weight: Any) -> torch.Tensor:
     """[sum of values * weight, sum of the weights broadcast to the values] in float64."""
-    values = _to_tensor(values, "values").detach().to(torch.float64)
+    values = _to_tensor(values, "values").detach()
     if sample_weight is None:
-        count = values.new_full((), float(values.numel()))
-        return torch.stack([values.sum(), count])
+        total = values.sum(dtype=torch.float64)
+        return torch.stack([total, total.new_tensor(float(values.numel()))])
+    values = values.to(torch.float64)
     weight = broadcast_weight(sample_weight, values).detach()
     return torch.stack([(values * weight).sum(), weight.expand(values.shape).sum()])
 
