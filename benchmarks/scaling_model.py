@@ -17,6 +17,21 @@ The model, for N devices that each run one replica on the same per-device batch 
   the buckets before the last fit in backward's span in order, and input and dispatch cost
   nothing. On one CPU core per process the first assumption fails (gloo's thread takes the core
   from backward), so the model should under-predict there; compare.py prints by how much.
+- **Host work.** Each replica's step also needs host (CPU) work: Python dispatch of every op,
+  mirrored's torch-function mode, autograd's bookkeeping, the kernel launches. Of one replica's
+  ``h = h_gil + h_free`` seconds, ``h_gil`` hold the interpreter's lock (GIL) and ``h_free`` do
+  not (ATen's dispatch, autograd's engine, the launch itself). MirroredStrategy runs its replicas
+  as threads of one process, so their GIL-held work is serialized: N replicas need at least
+  ``N * h_gil`` of one interpreter per step, and each at least its own ``h``:
+  ``host(N) = max(N * h_gil, h)``. CUDA launches are asynchronous, so the host runs ahead of
+  the devices and the two overlap: ``step = max(device step above, host(N))``. Assumptions:
+  perfect overlap (the host never waits for a device inside a step, and the GIL-held pieces of
+  the replicas pack with no gap; handing the GIL over costs nothing), one core per replica for
+  ``h_free``; ``h`` is measured on the CPU as the host time of a launch-bound step (tiny tensors,
+  so the kernels cost nothing: host_overhead.py). ``h = 0`` gives the device-only model; with
+  ``N * h_gil`` above the device step, t(N) grows as N and efficiency falls as 1/N. One
+  interpreter per replica (one process per GPU, or a free-threaded CPython) makes
+  ``h_gil = 0``: ``host(N) = h``.
 - **Scaling efficiency** = ``t(1) / t(N)``: the share of N times one device's throughput that N
   devices reach. It is at most 1, since communication only adds time.
 - **Fitting a link** from measured all-reduce times of several sizes between N processes: least
@@ -34,10 +49,13 @@ __all__ = [
     "DDP_FIRST_BUCKET_BYTES",
     "GPU_LINKS",
     "Compute",
+    "Host",
     "Link",
+    "NO_HOST",
     "Prediction",
     "bucket_sizes",
     "fit_link",
+    "host_seconds",
     "predict_step",
     "ring_all_reduce_seconds",
     "scaling_efficiency",
@@ -93,12 +111,30 @@ class Compute:
 
 
 @dataclasses.dataclass(frozen=True)
+class Host:
+    """One replica's host work per step, in seconds: ``gil`` holding the interpreter's lock,
+    ``free`` without it."""
+
+    gil: float
+    free: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (self.gil >= 0 and self.free >= 0):
+            raise ValueError(f"Host(gil={self.gil}, free={self.free}): both must be >= 0 seconds")
+
+
+NO_HOST = Host(0.0)
+
+
+@dataclasses.dataclass(frozen=True)
 class Prediction:
-    """A predicted step: its time, all its communication, and the part not hidden by backward."""
+    """A predicted step: its time, all its communication, the part of it not hidden by
+    backward, and the host work of all replicas (the step when it exceeds the devices')."""
 
     step: float
     communication: float
     exposed: float
+    host: float = 0.0
 
 
 def ring_all_reduce_seconds(num_bytes: float, num_devices: int, link: Link) -> float:
@@ -129,25 +165,43 @@ def bucket_sizes(
     return buckets
 
 
+def host_seconds(host: Host, num_devices: int) -> float:
+    """``max(N * h_gil, h_gil + h_free)``: the host work of N replica threads of one process,
+    whose GIL-held parts run one at a time."""
+    if num_devices < 1:
+        raise ValueError(f"num_devices={num_devices} must be >= 1")
+    return max(num_devices * host.gil, host.gil + host.free)
+
+
 def predict_step(
-    compute: Compute, buckets: Sequence[int], num_devices: int, link: Link
+    compute: Compute,
+    buckets: Sequence[int],
+    num_devices: int,
+    link: Link,
+    host: Host = NO_HOST,
 ) -> Prediction:
-    """``t_fwd + max(t_bwd, sum t_ar(b) for b in buckets[:-1]) + t_ar(buckets[-1]) + t_update``:
-    every bucket but the last overlaps backward; the last is exposed."""
+    """``max(t_fwd + max(t_bwd, sum t_ar(b) for b in buckets[:-1]) + t_ar(buckets[-1]) +
+    t_update, host(N))``: every bucket but the last overlaps backward; the last is exposed; the
+    host's work overlaps the devices'."""
     times = [ring_all_reduce_seconds(size, num_devices, link) for size in buckets]
+    on_host = host_seconds(host, num_devices)
     if not times:
-        return Prediction(compute.total, 0.0, 0.0)
+        return Prediction(max(compute.total, on_host), 0.0, 0.0, on_host)
     overlapped, last = sum(times[:-1]), times[-1]
-    step = compute.forward + max(compute.backward, overlapped) + last + compute.update
-    return Prediction(step, sum(times), step - compute.total)
+    device = compute.forward + max(compute.backward, overlapped) + last + compute.update
+    return Prediction(max(device, on_host), sum(times), device - compute.total, on_host)
 
 
 def scaling_efficiency(
-    compute: Compute, buckets: Sequence[int], num_devices: int, link: Link
+    compute: Compute,
+    buckets: Sequence[int],
+    num_devices: int,
+    link: Link,
+    host: Host = NO_HOST,
 ) -> float:
     """``t(1) / t(N)`` for weak scaling (each device keeps its batch): at most 1."""
-    one = predict_step(compute, buckets, 1, link).step
-    return one / predict_step(compute, buckets, num_devices, link).step
+    one = predict_step(compute, buckets, 1, link, host).step
+    return one / predict_step(compute, buckets, num_devices, link, host).step
 
 
 def fit_link(name: str, sizes: Sequence[float], seconds: Sequence[float], num_devices: int) -> Link:

@@ -13,10 +13,13 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 from scaling_model import (
+    NO_HOST,
     Compute,
+    Host,
     Link,
     bucket_sizes,
     fit_link,
+    host_seconds,
     predict_step,
     ring_all_reduce_seconds,
     scaling_efficiency,
@@ -124,6 +127,77 @@ def test_fit_link_refuses_too_few_sizes() -> None:
         fit_link("x", [1e6, 1e6], [1e-3, 1e-3], 2)
     with pytest.raises(ValueError, match="at least 2 devices"):
         fit_link("x", [1e6, 2e6], [1e-3, 2e-3], 1)
+
+
+def test_host_seconds_serializes_the_gil_held_part() -> None:
+    host = Host(gil=2.0, free=3.0)
+    # One replica: its own 5 s; two: 4 s of GIL-held work, still under one replica's 5 s.
+    assert host_seconds(host, 1) == 5.0
+    assert host_seconds(host, 2) == 5.0
+    assert host_seconds(host, 4) == 8.0
+    assert host_seconds(Host(gil=0.0, free=3.0), 8) == 3.0  # one interpreter per replica
+
+
+def test_no_host_work_gives_the_device_prediction() -> None:
+    compute = Compute(forward=1.0, backward=10.0, update=1.0)
+    buckets = [3_000_000_000, 2_000_000_000]
+    for num_devices in (1, 2, 8):
+        assert predict_step(compute, buckets, num_devices, LINK, Host(0.0, 0.0)) == predict_step(
+            compute, buckets, num_devices, LINK
+        )
+    assert predict_step(compute, buckets, 2, LINK).host == 0.0
+    assert Host(0.0, 0.0) == NO_HOST
+
+
+def test_host_work_under_the_devices_is_hidden() -> None:
+    compute = Compute(forward=1.0, backward=10.0, update=1.0)
+    buckets = [3_000_000_000, 2_000_000_000]
+    host = Host(gil=1.0, free=1.0)  # 4 replicas: 4 s of host work against a 14 s device step
+    hidden = predict_step(compute, buckets, 4, FREE_LATENCY, host)
+    assert hidden.step == predict_step(compute, buckets, 4, FREE_LATENCY).step
+    assert hidden.host == 4.0
+
+
+def test_host_bound_step_is_the_serialized_host_work() -> None:
+    compute = Compute(forward=1.0, backward=2.0, update=1.0)
+    prediction = predict_step(compute, [], 8, LINK, Host(gil=1.0, free=0.5))
+    assert prediction.step == 8.0
+    assert prediction.exposed == 0.0
+    # Without buckets the device step is compute alone; the host bound still applies at N = 1.
+    assert predict_step(compute, [], 1, LINK, Host(gil=5.0)).step == 5.0
+
+
+@pytest.mark.parametrize("num_devices", [2, 4, 8, 64])
+def test_large_host_work_makes_efficiency_fall_as_one_over_n(num_devices: int) -> None:
+    compute = Compute(forward=0.001, backward=0.002, update=0.0005)
+    buckets = [1 << 20, 25 << 20]
+    efficiency = scaling_efficiency(compute, buckets, num_devices, LINK, Host(gil=100.0))
+    assert efficiency == pytest.approx(1 / num_devices)
+
+
+@pytest.mark.parametrize("num_devices", [1, 2, 4, 8])
+def test_efficiency_with_host_work_is_at_most_one(num_devices: int) -> None:
+    compute = Compute(forward=0.001, backward=0.002, update=0.0005)
+    for host in (Host(0.0005), Host(0.002, 0.001), Host(0.0, 0.01)):
+        efficiency = scaling_efficiency(compute, [1 << 20, 25 << 20], num_devices, LINK, host)
+        assert 0 < efficiency <= 1
+
+
+def test_one_interpreter_per_replica_hides_the_host_behind_one_replicas_own() -> None:
+    # Host-bound at every N but with no GIL-held part: t(N) = h for all N, no communication.
+    compute = Compute(forward=0.001, backward=0.002, update=0.0005)
+    free_threaded = Host(gil=0.0, free=0.01)
+    assert scaling_efficiency(compute, [], 8, LINK, free_threaded) == 1.0
+    assert scaling_efficiency(compute, [], 8, LINK, Host(gil=0.01)) == pytest.approx(1 / 8)
+
+
+def test_host_refuses_negative_seconds() -> None:
+    with pytest.raises(ValueError, match="gil=-1"):
+        Host(-1.0)
+    with pytest.raises(ValueError, match=r"free=-0\.5"):
+        Host(0.0, -0.5)
+    with pytest.raises(ValueError, match="num_devices=0"):
+        host_seconds(Host(1.0), 0)
 
 
 def test_compute_scaled() -> None:
