@@ -179,18 +179,19 @@ MOBILENET_CLASSES = 2
 # -- the CNN and the workloads ---------------------------------------------------------------------
 
 
-def make_cnn() -> nn.Module:
-    """The same initial weights for every measurement."""
+def make_cnn(channels: tuple[int, int] = (16, 32), side: int = 32) -> nn.Module:
+    """The same initial weights for every measurement; ``channels`` of the two convolutions,
+    images of ``side`` x ``side``."""
     torch.manual_seed(SEED)
     return nn.Sequential(
-        nn.Conv2d(3, 16, 3, padding=1),
+        nn.Conv2d(3, channels[0], 3, padding=1),
         nn.ReLU(),
         nn.MaxPool2d(2),
-        nn.Conv2d(16, 32, 3, padding=1),
+        nn.Conv2d(channels[0], channels[1], 3, padding=1),
         nn.ReLU(),
         nn.MaxPool2d(2),
         nn.Flatten(),
-        nn.Linear(32 * 8 * 8, 10),
+        nn.Linear(channels[1] * (side // 4) ** 2, 10),
     )
 
 
@@ -966,6 +967,17 @@ def check_cpu_points(
     return checks
 
 
+def gpu_compute(
+    phases_ms: dict[str, float], speedup: float, compute_ms: float | None = None
+) -> scaling_model.Compute:
+    """One GPU's compute per step: the plain loop's measured forward / backward / optimizer
+    (ms) divided by ``speedup``, or scaled to ``compute_ms`` in all when given."""
+    cpu = scaling_model.Compute(
+        phases_ms["forward"] / 1e3, phases_ms["backward"] / 1e3, phases_ms["optimizer"] / 1e3
+    )
+    return cpu.scaled(speedup if compute_ms is None else cpu.total / (compute_ms / 1e3))
+
+
 def predict_gpus(
     summaries: dict[str, dict[str, dict[str, Any]]],
     speedup: float,
@@ -980,12 +992,7 @@ def predict_gpus(
     predictions = []
     counts = (1, 2, 4, 8)
     for name, summary in summaries.items():
-        phases = summary["plain"]["phases_ms"]
-        cpu = scaling_model.Compute(
-            phases["forward"] / 1e3, phases["backward"] / 1e3, phases["optimizer"] / 1e3
-        )
-        factor = cpu.total / (compute_ms[name] / 1e3) if name in compute_ms else speedup
-        compute = cpu.scaled(factor)
+        compute = gpu_compute(summary["plain"]["phases_ms"], speedup, compute_ms.get(name))
         buckets = scaling_model.bucket_sizes(gradient_tensor_bytes(name))
         print(
             f"  {name}: compute {1e3 * compute.total:.3f} ms per step "

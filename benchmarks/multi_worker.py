@@ -123,19 +123,26 @@ def make_bert() -> nn.Module:
     return BertMaskedLM(VOCAB_SIZE, SEQ_LEN)
 
 
-def make_bert_batches(num_batches: int, batch_size: int) -> list[Batch]:
-    """Random token ids with 20 distinct positions per sequence masked (never [CLS], position 0);
-    the labels are the original tokens there. Deterministic: every worker builds the same."""
+def make_bert_batches(
+    num_batches: int,
+    batch_size: int,
+    vocab_size: int = VOCAB_SIZE,
+    seq_len: int = SEQ_LEN,
+    masked: int = MASKED_PER_SEQUENCE,
+) -> list[Batch]:
+    """Random token ids with ``masked`` distinct positions per sequence masked (never [CLS],
+    position 0); the labels are the original tokens there. Deterministic: every worker builds
+    the same."""
     generator = torch.Generator().manual_seed(SEED)
     mask_id = SPECIAL_TOKENS.index("[MASK]")
     batches: list[Batch] = []
     for _ in range(num_batches):
         ids = torch.randint(
-            len(SPECIAL_TOKENS), VOCAB_SIZE, (batch_size, SEQ_LEN), generator=generator
+            len(SPECIAL_TOKENS), vocab_size, (batch_size, seq_len), generator=generator
         )
         positions = torch.stack(
             [
-                torch.randperm(SEQ_LEN - 1, generator=generator)[:MASKED_PER_SEQUENCE] + 1
+                torch.randperm(seq_len - 1, generator=generator)[:masked] + 1
                 for _ in range(batch_size)
             ]
         )
