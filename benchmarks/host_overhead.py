@@ -421,8 +421,17 @@ def floor_seconds(rounds: int, steps: int) -> dict[int, float]:
 
 def summarize(result: dict[str, Any]) -> dict[str, Any]:
     """Medians over rounds, and per replica: ``h``, ``h_gil`` (see module docstring)."""
+    plain_rounds = result["rows"]["plain"]
     rows = {
-        row: {"wall": median_of(records, "wall"), "cpu": median_of(records, "cpu")}
+        row: {
+            "wall": median_of(records, "wall"),
+            "cpu": median_of(records, "cpu"),
+            # CPU per loop over the same round's plain loop: cancels the machine's drift.
+            "cpu_per_loop_paired": statistics.median(
+                r["cpu"] / replicas_of(row) / p["cpu"]
+                for r, p in zip(records, plain_rounds, strict=True)
+            ),
+        }
         for row, records in result["rows"].items()
     }
     splits = result["splits"]
@@ -454,7 +463,7 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
 def print_measurements(summaries: dict[str, dict[str, Any]]) -> None:
     print(
         f"\n{'workload':<8} {'row':<12} {'wall ms':>8} {'x plain':>7} {'CPU ms':>7} "
-        f"{'CPU/loop':>8} {'N*h_gil':>8} {'wall/(N*h_gil)':>14}"
+        f"{'CPU/loop':>8} {'paired':>6} {'N*h_gil':>8} {'wall/(N*h_gil)':>14}"
     )
     for name, s in summaries.items():
         plain = s["rows"]["plain"]
@@ -467,12 +476,14 @@ def print_measurements(summaries: dict[str, dict[str, Any]]) -> None:
             )
             print(
                 f"{name:<8} {row:<12} {1e3 * r['wall']:8.3f} {r['wall'] / plain['wall']:7.2f} "
-                f"{1e3 * r['cpu']:7.3f} {1e3 * r['cpu'] / n:8.3f} {1e3 * n * gil:8.3f} {serial:>14}"
+                f"{1e3 * r['cpu']:7.3f} {1e3 * r['cpu'] / n:8.3f} "
+                f"{r['cpu_per_loop_paired']:5.2f}x {1e3 * n * gil:8.3f} {serial:>14}"
             )
     print(
         "medians over rounds, per step of all N loops; CPU/loop: CPU ms per loop (replica) per "
-        "step;\nN*h_gil: the GIL-held work the N loops need (threads: plain's held part; "
-        "mirrored: the replica's h_gil); wall/(N*h_gil) near 1: the GIL sets the pace"
+        "step; paired: median over rounds of CPU/loop over the same round's plain loop;\n"
+        "N*h_gil: the GIL-held work the N loops need (threads: plain's held part; mirrored: "
+        "the replica's h_gil); wall/(N*h_gil) near 1: the GIL sets the pace"
     )
     print(
         "\nGIL split of the plain loop under the profiler (ms per step, held = phase - free; "
