@@ -64,7 +64,7 @@ replica (one process per GPU as MultiWorkerMirroredStrategy runs, or a free-thre
 3.13t: ``h_gil`` = 0, host = ``h``). The host figures are this machine's CPU: a faster host CPU
 scales them down.
 
-Run from the repository root (about 5 minutes on 2 cores):
+Run from the repository root (about 8 minutes on the loaded 2-core machine of RESULTS.md):
 ``.venv/bin/python benchmarks/host_overhead.py [--json PATH]``; ``--workloads``, ``--rounds``,
 ``--steps``, ``--profile-steps``, ``--compute-ms``.
 """
