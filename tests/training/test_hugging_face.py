@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import mirrored
+from mirrored.training.steps import shifts_labels, targets_of
 from tests.reference_loops import assert_replicas_identical, assert_same_parameters
 
 transformers = pytest.importorskip("transformers")
@@ -141,6 +142,74 @@ def test_a_causal_lm_fits_from_dict_batches_as_on_one_device(num_replicas: int) 
         history = model.fit(causal_lm_batches(), epochs=2, verbose=0)  # batches are dicts
         assert_same_parameters(reference, model.module, rtol=1e-5, atol=1e-5)
     assert history.history["loss"] == pytest.approx(expected_losses, rel=1e-5)
+
+
+def padded_causal_lm_batch() -> dict[str, torch.Tensor]:
+    """One batch of 8 right-padded sequences: the first half padded a lot (their labels -100
+    there), the second half not at all, so the shards hold different numbers of labels."""
+    generator = torch.Generator().manual_seed(4)
+    ids = torch.randint(1, VOCAB, (BATCH, SEQUENCE), generator=generator)
+    lengths = torch.tensor([2, 3, 3, 4, 8, 8, 7, 8])
+    padding = torch.arange(SEQUENCE) >= lengths[:, None]
+    labels = ids.masked_fill(padding, -100)
+    return {"input_ids": ids.masked_fill(padding, 0), "labels": labels}
+
+
+@pytest.mark.filterwarnings("error::mirrored.LossScalingWarning")
+@pytest.mark.parametrize("num_replicas", [2, 4])
+def test_a_causal_lm_s_own_loss_counts_its_shifted_labels(num_replicas: int) -> None:
+    """A causal LM averages its loss over labels[..., 1:] (token t+1 predicted at t): with
+    padding that differs between shards, each shard's share must count those."""
+    batch = padded_causal_lm_batch()
+    reference = tiny_gpt2()
+    module = copy.deepcopy(reference)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=LEARNING_RATE)
+    out = reference(**batch)
+    out.loss.backward()
+    optimizer.step()
+    with strategy_for(num_replicas) as strategy:
+        model = own_loss_model(strategy, module)
+        history = model.fit(batch, batch_size=BATCH, shuffle=False, verbose=0)
+        assert_same_parameters(reference, model.module, rtol=1e-5, atol=1e-6)
+    assert history.history["loss"] == pytest.approx([out.loss.item()], rel=1e-5)
+
+
+def test_a_causal_lm_s_metrics_and_compiled_loss_compare_logits_with_the_next_token() -> None:
+    """Without y, the targets of a causal LM's logits at position t are x["labels"] at t + 1."""
+    batch = padded_causal_lm_batch()
+    module = tiny_gpt2().eval()
+    with torch.no_grad():
+        logits = module(**batch).logits[:, :-1]
+    targets = batch["labels"][:, 1:]
+    valid = targets != -100
+    correct = (logits.argmax(-1) == targets)[valid].double().mean()
+    per_token = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
+    expected_loss = per_token.sum() / batch["labels"].numel()  # every position counts
+    with strategy_for(2) as strategy:
+        model = own_loss_model(strategy, copy.deepcopy(module), metrics=["accuracy"])
+        results = model.evaluate(batch, batch_size=BATCH, verbose=0, return_dict=True)
+        with strategy.scope():
+            compiled = mirrored.Model(module)
+            compiled.compile(loss=mirrored.losses.SparseCategoricalCrossentropy(from_logits=True))
+        loss = compiled.evaluate(batch, batch_size=BATCH, verbose=0)
+    assert results["accuracy"] == pytest.approx(correct.item(), rel=1e-12)
+    assert loss == pytest.approx(expected_loss.item(), rel=1e-6)
+
+
+def test_only_causal_lms_compare_position_t_with_the_label_of_t_plus_1() -> None:
+    t5 = transformers.T5Config(
+        num_layers=1, d_model=8, num_heads=2, d_ff=8, d_kv=4, vocab_size=VOCAB
+    )
+    assert shifts_labels(tiny_gpt2())
+    assert not shifts_labels(tiny_bert())  # a masked LM: each position its own label
+    assert not shifts_labels(transformers.T5ForConditionalGeneration(t5))  # encoder-decoder
+    assert not shifts_labels(_Classifier())
+    labels = torch.tensor([[5, 6, 7, -100]])
+    targets = targets_of({"labels": labels}, None, None, shifted=True)
+    assert targets.y.tolist() == [[6, 7, 0, 0]] and targets.mask.tolist() == [[1, 1, 0, 0]]
+    given = torch.tensor([[9, -100, 8, -100]])  # a collator's own shifted labels are taken
+    targets = targets_of({"labels": labels, "shift_labels": given}, None, None, shifted=True)
+    assert targets.y.tolist() == [[9, 0, 8, 0]] and targets.mask.tolist() == [[1, 0, 1, 0]]
 
 
 def test_evaluate_reports_the_mean_over_labels_and_metrics_skip_the_ignored_ones() -> None:

@@ -275,10 +275,12 @@ class Model:
         a mean over each shard's labels that are not -100 (or its examples), weighted to the
         global batch's mean. ``metrics`` / ``weighted_metrics``: a list, or one metric; without
         y in the data they compare the logits with ``x["labels"]``, its -100 positions
-        weighted 0. ``precision``: "32", "bf16-mixed" or "16-mixed" (autocast;
-        float16 adds dynamic loss scaling; the weights stay float32). ``lr_scheduler``: a torch
-        LR scheduler on that optimizer, stepped after every update. ``steps_per_execution``:
-        batches per ``strategy.run`` (callbacks' batch hooks run once per execution).
+        weighted 0 (a causal language model's logits at position t with the labels at t + 1,
+        the positions its own loss compares). ``precision``: "32", "bf16-mixed" or "16-mixed"
+        (autocast; float16 adds dynamic loss scaling; the weights stay float32).
+        ``lr_scheduler``: a torch LR scheduler on that optimizer, stepped after every update.
+        ``steps_per_execution``: batches per ``strategy.run`` (callbacks' batch hooks run once
+        per execution).
         """
         current = context.get_strategy()
         if context.has_strategy() and current is not self.strategy:

@@ -11,17 +11,22 @@ Hugging Face models return a mapping (a ``ModelOutput``): the compiled loss and 
 ``logits``. With ``compile(loss=None)`` the model's own ``loss`` (a mean over the shard) trains,
 scaled to its share of the global mean by ``scale_shard_mean``. When the data has no y and x is a
 dict carrying ``labels``, those labels are the targets, weighted 0 where they are -100 (the
-positions without a loss), as Keras would treat them with ``sample_weight`` 0.
+positions without a loss), as Keras would treat them with ``sample_weight`` 0. A causal language
+model predicts token t + 1 at position t and its own loss averages ``labels[..., 1:]``: for it the
+targets of position t are the labels of t + 1, and its loss counts those.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import sys
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from mirrored import losses as losses_module
 from mirrored.context import get_replica_context
@@ -41,6 +46,7 @@ __all__ = [
     "cast_images",
     "floating_dtype",
     "predictions",
+    "shifts_labels",
     "targets_of",
     "to_device",
 ]
@@ -87,10 +93,36 @@ def predictions(y_pred: Any) -> Any:
     return y_pred["logits"]
 
 
-def _hugging_face_labels(x: Any) -> torch.Tensor | None:
+def _hugging_face_labels(x: Any, key: str = "labels") -> torch.Tensor | None:
     """The ``labels`` tensor of a dict x (a Hugging Face model's inputs), or None."""
-    labels = x.get("labels") if isinstance(x, Mapping) else None
+    labels = x.get(key) if isinstance(x, Mapping) else None
     return labels if isinstance(labels, torch.Tensor) else None
+
+
+def shifts_labels(module: Any) -> bool:
+    """Whether ``module`` is a Hugging Face causal language model: its forward computes its loss
+    through ``self.loss_function`` and that is transformers' ``ForCausalLMLoss``, which compares
+    the logits at position t with the labels at t + 1. An encoder-decoder is excluded: its decoder
+    is fed shifted inputs, and its loss compares each position with its own label."""
+    loss_utils = sys.modules.get("transformers.loss.loss_utils")
+    forward = getattr(getattr(module, "forward", None), "__func__", None)
+    code = getattr(inspect.unwrap(forward), "__code__", None) if forward is not None else None
+    if loss_utils is None or code is None or "loss_function" not in code.co_names:
+        return False
+    if getattr(getattr(module, "config", None), "is_encoder_decoder", False):
+        return False
+    return getattr(module, "loss_function", None) is getattr(loss_utils, "ForCausalLMLoss", ())
+
+
+def _labels_of_logits(x: Any, shifted: bool) -> torch.Tensor | None:
+    """The labels of a dict x aligned with the model's logits, position by position: for a
+    causal language model (``shifted``) x's ``shift_labels`` where it carries them, else
+    ``labels[..., 1:]`` with IGNORE_INDEX at the last position, as ``ForCausalLMLoss`` pads them."""
+    labels = _hugging_face_labels(x)
+    if labels is None or not shifted:
+        return labels
+    given = _hugging_face_labels(x, "shift_labels")
+    return given if given is not None else F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
 
 
 @dataclasses.dataclass
@@ -102,10 +134,11 @@ class Targets:
     mask: torch.Tensor | None  # for metrics: 0 where the labels are IGNORE_INDEX, else None
 
 
-def targets_of(x: Any, y: Any, sample_weight: Any) -> Targets:
-    """``y``; without one, the ``labels`` of a dict x, their IGNORE_INDEX positions weighted 0
-    (and given class 0, so that no loss sees an id of -100)."""
-    labels = _hugging_face_labels(x) if y is None else None
+def targets_of(x: Any, y: Any, sample_weight: Any, shifted: bool = False) -> Targets:
+    """``y``; without one, the ``labels`` of a dict x (those of the next position for a causal
+    language model: ``shifted``), their IGNORE_INDEX positions weighted 0 (and given class 0, so
+    that no loss sees an id of -100)."""
+    labels = _labels_of_logits(x, shifted) if y is None else None
     if labels is None:
         return Targets(y, sample_weight, None)
     valid = labels != IGNORE_INDEX
@@ -139,10 +172,11 @@ class ShardLoss:
         return torch.where(count > 0, value * count, torch.zeros_like(value))
 
 
-def _own_loss_count(x: Any) -> torch.Tensor | int:
+def _own_loss_count(x: Any, shifted: bool) -> torch.Tensor | int:
     """How many terms a model's own mean loss averages on this shard: its labels that are not
-    IGNORE_INDEX when x carries labels, else its examples."""
-    labels = _hugging_face_labels(x)
+    IGNORE_INDEX when x carries labels (a causal language model's from the second position on:
+    ``shifted``), else its examples."""
+    labels = _labels_of_logits(x, shifted)
     return batch_size_of(x) if labels is None else (labels != IGNORE_INDEX).sum()
 
 
@@ -273,7 +307,7 @@ class Steps:
                     "computes it when x carries 'labels'): put the labels in x, or compile with "
                     "a loss"
                 )
-            return ShardLoss(own, _own_loss_count(x), is_mean=True)
+            return ShardLoss(own, _own_loss_count(x, shifts_labels(self.module)), is_mean=True)
         if targets.y is None:
             raise ValueError(
                 "the data yields no targets: fit and evaluate need (x, y), x as a dict carrying "
@@ -309,7 +343,7 @@ class Steps:
             zip(batches, global_batch_sizes, strict=True)
         ):
             x, y, sample_weight, y_pred = self._forward(batch)
-            targets = targets_of(x, y, sample_weight)
+            targets = targets_of(x, y, sample_weight, shifts_labels(self.module))
             shard_loss = self._shard_loss(x, targets, y_pred)
             loss = shard_loss.scaled(global_batch_size)
             if self.precision == "16-mixed":
@@ -361,7 +395,7 @@ class Steps:
         with torch.no_grad():
             for batch in batches:
                 x, y, sample_weight, y_pred = self._forward(batch)
-                targets = targets_of(x, y, sample_weight)
+                targets = targets_of(x, y, sample_weight, shifts_labels(self.module))
                 shard_loss = self._shard_loss(x, targets, y_pred)
                 state = self.metrics.batch_state(shard_loss, targets, y_pred)
                 total = state if total is None else total + state
