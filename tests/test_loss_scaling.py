@@ -180,10 +180,42 @@ def _mse_mean(model, x, y):
     return F.mse_loss(model(x), F.one_hot(y, 5).float())
 
 
+def _shard_mean_beside_a_scaled_term(model, x, y):
+    penalty = 1e-3 * sum(p.square().sum() for p in model.parameters())
+    return F.cross_entropy(model(x), y) + mirrored.scale_regularization_loss(penalty)
+
+
+def _mean_of_weights_picked_by_labels(model, x, y):
+    """A mean over rows of a weight chosen by the shard's labels: it depends on the batch."""
+    data = F.cross_entropy(model(x), y, reduction="sum") / 16
+    return data + model[0].weight[y].square().mean()
+
+
+def _mean_of_weights_minus_an_input(model, x, y):
+    data = F.cross_entropy(model(x), y, reduction="sum") / 16
+    return data + (model[0].weight - x.mean(dim=0)).square().mean()
+
+
 @pytest.mark.parametrize(
     "loss_fn",
-    [_loss_averaged_per_shard, _label_smoothed_mean, _output_mean, _mse_mean],
-    ids=["cross_entropy", "label_smoothing", "tensor_mean", "mse"],
+    [
+        _loss_averaged_per_shard,
+        _label_smoothed_mean,
+        _output_mean,
+        _mse_mean,
+        _shard_mean_beside_a_scaled_term,
+        _mean_of_weights_picked_by_labels,
+        _mean_of_weights_minus_an_input,
+    ],
+    ids=[
+        "cross_entropy",
+        "label_smoothing",
+        "tensor_mean",
+        "mse",
+        "beside_a_scaled_term",
+        "weights_picked_by_labels",
+        "weights_minus_an_input",
+    ],
 )
 def test_a_loss_averaged_over_the_shard_is_refused_before_any_change(loss_fn):
     x, y = make_batches()[0]
@@ -226,6 +258,40 @@ def test_an_unrecognised_loss_warns_once_and_trains():
             warnings.simplefilter("error")
             for batch in batches[1:]:
                 strategy.run(step, (batch,))
+
+
+def test_a_mean_over_parameters_alone_is_a_penalty_not_a_shard_mean():
+    """A weight penalty written as a mean of squared weights, scaled by hand as the data loss
+    is: it reads no input, so it trains (with the one warning about losses scaled by hand)."""
+    batches = make_batches()[:4]
+    penalty = 0.01
+
+    def loss_of(model, x, y, global_batch_size, num_replicas):
+        data = F.cross_entropy(model(x), y, reduction="sum") / global_batch_size
+        weights = sum(p.pow(2).mean() for p in model.parameters())
+        return data + penalty * weights / num_replicas
+
+    expected = make_mlp()
+    optimizer = torch.optim.SGD(expected.parameters(), lr=0.1)
+    for x, y in batches:
+        loss_of(expected, x, y, len(x), 1).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
+        module = make_mlp()
+        model, mirrored_optimizer = strategy.mirror(
+            module, torch.optim.SGD(module.parameters(), lr=0.1)
+        )
+
+        def step(batch):
+            loss_of(model, *batch, len(batches[0][0]), 2).backward()
+            mirrored_optimizer.step()
+            mirrored_optimizer.zero_grad()
+
+        with pytest.warns(mirrored.LossScalingWarning, match="did not come through"):
+            for batch in strategy.experimental_distribute_dataset(batches):
+                strategy.run(step, (batch,))
+    assert_same_parameters(expected, model.module)
 
 
 def test_scaled_losses_pass_silently_in_sums_and_scales():

@@ -5,8 +5,9 @@ replicas' gradients, so a loss averaged over one replica's shard (``F.cross_entr
 Hugging Face model's ``out.loss``) gives N times the single-device gradient, and mis-weighs
 uneven shards. The helpers here scale a loss correctly and mark the result (in its autograd
 node's ``metadata``); ``check_loss_scaling``, called by a strategy when a replica starts a
-backward pass, refuses a loss that reduces its shard with a mean and warns once about any other
-loss that did not come through a helper (TensorFlow refuses losses with automatic reduction in a
+backward pass, refuses a loss that reduces its shard with a mean anywhere outside a helper (a
+mean of parameters alone, a weight penalty, reads no shard) and warns once about any other loss
+that did not come through a helper (TensorFlow refuses losses with automatic reduction in a
 strategy's custom loop for the same reason).
 """
 
@@ -171,24 +172,59 @@ def _reduction_of(node: object) -> str | None:
 
 
 def _how_reduced(root: torch.Tensor) -> str:
-    """ "scaled" when ``root`` came through a scaling helper; else the name of the autograd node
-    where some path from it first reduces a batch with a mean (this shard's); else "unscaled"."""
+    """The name of the autograd node where some path from ``root`` that did not come through a
+    scaling helper first reduces a batch with a mean (this shard's); else "scaled" when some path
+    came through a helper; else "unscaled". A mean of values computed from parameters alone (a
+    weight penalty) reduces no batch."""
     queue: deque[object] = deque([root.grad_fn])
     seen: set[int] = set()
-    mean = ""
+    scaled = False
     while queue and len(seen) < _NODES_CHECKED:
         node = queue.popleft()
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
         if node.metadata.get(_SCALED):  # type: ignore[attr-defined]
-            return "scaled"
+            scaled = True  # what is below was scaled: the other terms are still to check
+            continue
         reduction = _reduction_of(node)
-        if reduction == "mean" and not mean:
-            mean = type(node).__name__
+        if reduction == "mean" and not _of_parameters_alone(node):
+            return type(node).__name__
         if reduction is None:  # arithmetic on the loss: look further down
             queue.extend(child for child, _ in node.next_functions)  # type: ignore[attr-defined]
-    return mean or "unscaled"
+    return "scaled" if scaled else "unscaled"
+
+
+def _of_parameters_alone(node: object) -> bool:
+    """Whether everything below autograd ``node`` is computed from tensors that require grad
+    (parameters) and numbers: no input enters it, neither as an operand without grad (a
+    ``None`` among its next functions) nor as a tensor it saved (indices, a mask, an input).
+    Anything larger than the check's budget counts as reading an input."""
+    queue: deque[object] = deque([node])
+    seen: set[int] = set()
+    while queue:
+        current = queue.popleft()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if len(seen) > _NODES_CHECKED:
+            return False
+        children = [child for child, _ in current.next_functions]  # type: ignore[attr-defined]
+        if any(child is None for child in children) or _saves_an_input(current):
+            return False
+        queue.extend(children)
+    return True
+
+
+def _saves_an_input(node: object) -> bool:
+    """Whether ``node`` saved for backward a tensor that does not require grad."""
+    for name in dir(node):
+        if name.startswith("_saved_"):
+            value = getattr(node, name)
+            values = value if isinstance(value, (tuple, list)) else (value,)
+            if any(isinstance(v, torch.Tensor) and not v.requires_grad for v in values):
+                return True
+    return False
 
 
 _warned = False
@@ -237,5 +273,6 @@ def check_loss_scaling(roots: Sequence[torch.Tensor], replica: ReplicaContext) -
                 "losses (reduction='none') and pass them to mirrored.compute_average_loss(); "
                 "for token-level losses use mirrored.compute_weighted_average_loss(per_token, "
                 "mask); for a model's own mean loss (a Hugging Face model's out.loss) use "
-                "mirrored.scale_shard_mean(out.loss, count)"
+                "mirrored.scale_shard_mean(out.loss, count); for a weight penalty "
+                "mirrored.scale_regularization_loss(penalty)"
             )
