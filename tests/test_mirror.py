@@ -356,6 +356,26 @@ def test_a_released_mirror_cannot_step():
         strategy.mirror(module, torch.optim.SGD(module.parameters(), lr=0.1))
 
 
+def test_a_released_optimizer_takes_no_part_in_clipping_the_new_one_s_gradients():
+    batches = make_batches()[:3]
+    expected, norms = _plain_clipped(batches, CLIPS["norm"], OPTIMIZERS["sgd"])
+    with mirrored.MirroredStrategy(DEVICES[:2], timeout_seconds=30) as strategy:
+        module = make_mlp()
+        first, _ = strategy.mirror(module, OPTIMIZERS["sgd"](module))
+        first.release()
+        model, optimizer = strategy.mirror(module, OPTIMIZERS["sgd"](module))
+        seen = [
+            strategy.experimental_local_results(
+                strategy.run(_clipped_step, (batch, model, optimizer, CLIPS["norm"]))
+            )
+            for batch in strategy.experimental_distribute_dataset(batches)
+        ]
+    assert_same_parameters(expected, model)
+    for plain_norm, replica_norms in zip(norms, seen, strict=True):
+        for norm in replica_norms:
+            torch.testing.assert_close(norm, plain_norm)
+
+
 def test_a_replica_stepping_without_backward_is_a_sync_mismatch(strategy):
     module = make_mlp()
     before = {k: v.clone() for k, v in module.state_dict().items()}
@@ -403,6 +423,16 @@ CLIPS = {
 }
 
 
+def _clipped_step(batch, model, optimizer, clip):
+    x, y = batch
+    loss = mirrored.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"))
+    loss.backward()
+    norm = clip(model.parameters())
+    optimizer.step()
+    optimizer.zero_grad()
+    return norm
+
+
 @pytest.mark.parametrize("ops", ["hierarchical", "one_device"])
 @pytest.mark.parametrize("clip", sorted(CLIPS))
 def test_clipping_inside_replicas_clips_the_global_gradient(ops, clip):
@@ -413,19 +443,12 @@ def test_clipping_inside_replicas_clips_the_global_gradient(ops, clip):
     with mirrored.MirroredStrategy(DEVICES, CROSS_DEVICE_OPS[ops]()) as strategy:
         module = make_mlp()
         model, optimizer = strategy.mirror(module, optimizer_fn(module))
-
-        def step(batch):
-            x, y = batch
-            loss = mirrored.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"))
-            loss.backward()
-            norm = CLIPS[clip](model.parameters())
-            optimizer.step()
-            optimizer.zero_grad()
-            return norm
-
-        seen = []
-        for batch in strategy.experimental_distribute_dataset(batches):
-            seen.append(strategy.experimental_local_results(strategy.run(step, (batch,))))
+        seen = [
+            strategy.experimental_local_results(
+                strategy.run(_clipped_step, (batch, model, optimizer, CLIPS[clip]))
+            )
+            for batch in strategy.experimental_distribute_dataset(batches)
+        ]
     assert_same_parameters(expected, model)
     assert_replicas_identical(model)
     if clip == "norm":  # every replica saw the global batch's norm

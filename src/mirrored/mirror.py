@@ -146,7 +146,7 @@ class MirroredModule(SyncsBuffers):
         _MIRRORED_BY.release(self)
         object.__setattr__(self, "released", True)
         for optimizer in list(self._optimizers):
-            optimizer.released = True
+            optimizer.release()
         self._strategy.untrack_replicated(self)
 
     def _in_replica(self) -> bool:
@@ -286,7 +286,8 @@ class MirroredOptimizer(torch.optim.Optimizer):
         self.optimizers = tuple(optimizers)
         # Per replica: all_reduce_gradients() summed this step's gradients already.
         self._reduced_early = [False] * len(optimizers)
-        _LIVE_OPTIMIZERS[next(_CREATED)] = self
+        self._created = next(_CREATED)
+        _LIVE_OPTIMIZERS[self._created] = self
         _ORIGINAL_OPTIMIZERS.add(optimizers[0])
         torch_compat.route_gradient_clipping(_reduce_before_clipping)
         torch_compat.route_scheduler_steps(_stepped_by_first_replica)
@@ -316,6 +317,13 @@ class MirroredOptimizer(torch.optim.Optimizer):
             and type(optimizers[0]) in PER_PARAMETER_OPTIMIZERS
         ):
             self._sharded = ShardedUpdate(optimizers, params)
+
+    def release(self) -> None:
+        """Its module was released: it can no longer step, and takes no part in clipping (the
+        module mirrored again holds the same parameters in replica 0)."""
+        self.released = True
+        _LIVE_OPTIMIZERS.pop(self._created, None)
+        self._strategy.untrack_replicated(self)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -679,8 +687,8 @@ class MirroredOptimizer(torch.optim.Optimizer):
             self._sharded.share_state()
 
 
-# Live mirrored optimizers by creation (the order every replica visits them in), and the
-# original optimizers they were built from (an LR scheduler may be attached to one).
+# Live mirrored optimizers (not released) by creation (the order every replica visits them in),
+# and the original optimizers they were built from (an LR scheduler may be attached to one).
 _LIVE_OPTIMIZERS: weakref.WeakValueDictionary[int, MirroredOptimizer] = (
     weakref.WeakValueDictionary()
 )
