@@ -356,6 +356,46 @@ def test_a_released_mirror_cannot_step():
         strategy.mirror(module, torch.optim.SGD(module.parameters(), lr=0.1))
 
 
+@pytest.mark.parametrize("ops", ["hierarchical", "one_device"])
+def test_the_gradient_norm_after_the_step_is_the_global_batch_s(ops):
+    """Logging the norm after optimizer.step() finds the gradients summed already (on the
+    owner-update path, each parameter's sum is with its owner): they are not summed again."""
+    batches = make_batches()[:3]
+
+    def norm_after_step(model, optimizer, x, y, loss):
+        loss.backward()
+        optimizer.step()
+        norm = clip_grad_norm_(model.parameters(), float("inf"))
+        again = clip_grad_norm_(model.parameters(), float("inf"))
+        optimizer.zero_grad()
+        return torch.stack([norm, again])
+
+    expected = make_mlp()
+    plain_optimizer = OPTIMIZERS["sgd"](expected)
+    norms = [
+        norm_after_step(expected, plain_optimizer, x, y, F.cross_entropy(expected(x), y))
+        for x, y in batches
+    ]
+    with mirrored.MirroredStrategy(DEVICES, CROSS_DEVICE_OPS[ops]()) as strategy:
+        module = make_mlp()
+        model, optimizer = strategy.mirror(module, OPTIMIZERS["sgd"](module))
+
+        def step(batch):
+            x, y = batch
+            per_example = F.cross_entropy(model(x), y, reduction="none")
+            loss = mirrored.compute_average_loss(per_example)
+            return norm_after_step(model, optimizer, x, y, loss)
+
+        seen = [
+            strategy.experimental_local_results(strategy.run(step, (batch,)))
+            for batch in strategy.experimental_distribute_dataset(batches)
+        ]
+    assert_same_parameters(expected, model)
+    for plain_norms, replica_norms in zip(norms, seen, strict=True):
+        for replica_norm in replica_norms:
+            torch.testing.assert_close(replica_norm, plain_norms)
+
+
 def test_a_released_optimizer_takes_no_part_in_clipping_the_new_one_s_gradients():
     batches = make_batches()[:3]
     expected, norms = _plain_clipped(batches, CLIPS["norm"], OPTIMIZERS["sgd"])

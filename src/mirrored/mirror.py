@@ -286,6 +286,9 @@ class MirroredOptimizer(torch.optim.Optimizer):
         self.optimizers = tuple(optimizers)
         # Per replica: all_reduce_gradients() summed this step's gradients already.
         self._reduced_early = [False] * len(optimizers)
+        # Per replica: where the last update left the gradients it summed, while no backward
+        # has added to them (to clip or log them after step()): None, or one of _SUMMED.
+        self._summed_at_step: list[str | None] = [None] * len(optimizers)
         self._created = next(_CREATED)
         _LIVE_OPTIMIZERS[self._created] = self
         _ORIGINAL_OPTIMIZERS.add(optimizers[0])
@@ -397,6 +400,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
         if self._window is not None:
             self._window.advance(replica.local_replica_id)
         self.optimizers[replica.local_replica_id].zero_grad(set_to_none=True)
+        self._summed_at_step[replica.local_replica_id] = None
 
     def all_reduce_gradients(self) -> None:
         """Inside ``strategy.run``, on every replica: sum the replicas' gradients now, in place,
@@ -404,11 +408,15 @@ class MirroredOptimizer(torch.optim.Optimizer):
         does not sum again): to clip, inspect or log it. torch's ``clip_grad_norm_`` and
         ``clip_grad_value_`` call it themselves on a mirrored optimizer's parameters. Where
         gradients are summed during backward (multi-worker) or not at all (local SGD's local
-        updates), nothing to do."""
+        updates), nothing to do; after ``step()``, before the next backward, they are summed
+        already."""
         replica = _replica_context_of(self._strategy)
         if replica is None:
             raise RuntimeError("all_reduce_gradients() belongs inside strategy.run(), as step()")
         replica_id = replica.local_replica_id
+        if replica.backward_passes == 0 and self._summed_at_step[replica_id] is not None:
+            self._gradients_of_last_update(replica)
+            return
         if (
             self._reducer is not None
             or replica.num_replicas_in_sync == 1
@@ -426,6 +434,19 @@ class MirroredOptimizer(torch.optim.Optimizer):
         grads = [p.grad for p in self._params[replica_id]]
         self._all_reduce_gradients(replica, self._open_step(replica, grads), in_place=True)
         self._reduced_early[replica_id] = True
+
+    def _gradients_of_last_update(self, replica: ReplicaContext) -> None:
+        """Where the last update summed each parameter's gradient on its owner only, copy the
+        owners' sums to this replica's gradients (a collective), so that every replica holds
+        the global batch's gradient again."""
+        replica_id = replica.local_replica_id
+        if self._summed_at_step[replica_id] == _SUMMED_BY_OWNERS:
+            assert self._sharded is not None
+            grads = [p.grad for p in self._params[replica_id]]
+            everyone = replica.exchange.all("all_reduce_gradients: the owners' sums", grads)
+            self._sharded.copy_owned_gradients(replica_id, everyone)
+            replica.exchange.barrier("all_reduce_gradients: the owners' sums copied")
+            self._summed_at_step[replica_id] = _SUMMED_EVERYWHERE
 
     def holds_gradients(self, replica_id: int, grad_ids: set[int]) -> bool:
         """Whether any of ``grad_ids`` is the gradient of a parameter of replica ``replica_id``."""
@@ -545,6 +566,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
         optimizer = self.optimizers[replica_id]
         if self._window is not None:  # the window's mean, before any replica sums it
             self._scale_gradients(replica_id, self._window.scale)
+        summed: str | None = _SUMMED_EVERYWHERE
         if self._reduced_early[replica_id]:  # all_reduce_gradients() opened the step
             self._reduced_early[replica_id] = False
         elif replica.num_replicas_in_sync > 1:
@@ -554,10 +576,13 @@ class MirroredOptimizer(torch.optim.Optimizer):
             everyone = self._open_step(replica, [p.grad for p in self._params[replica_id]])
             if self._zero is not None and self._zero.stage == 2:
                 self._zero.reduce_gradients(replica, everyone)
+                summed = None  # each replica holds its share
             elif self._sharded is not None:
                 self._sharded.reduce_gradients(replica_id, everyone)
+                summed = _SUMMED_BY_OWNERS
             else:
                 self._all_reduce_gradients(replica, everyone)
+        self._summed_at_step[replica_id] = summed
         if replica.num_replicas_in_sync > 1 and self._running_stats[replica_id]:
             self._average_running_stats(replica)
         if self._zero is not None:
@@ -633,12 +658,14 @@ class MirroredOptimizer(torch.optim.Optimizer):
             if self._window is None or not self._window.holding(replica_id):
                 self.optimizers[replica_id].zero_grad(set_to_none=set_to_none)
                 self._reduced_early[replica_id] = False
+                self._summed_at_step[replica_id] = None
 
     def resync(self) -> None:
         """Give every replica's optimizer replica 0's state (after a step that failed midway;
         with ``zero_stage``, every replica each owner's values of what it owns instead); an
         unfinished accumulation window is dropped with its gradients."""
         self._reduced_early = [False] * len(self.optimizers)
+        self._summed_at_step = [None] * len(self.optimizers)
         if self._window is not None:
             self._window.reset()
             for optimizer in self.optimizers:
@@ -687,6 +714,8 @@ class MirroredOptimizer(torch.optim.Optimizer):
             self._sharded.share_state()
 
 
+# Where an update left the gradients it summed: on every replica, or on each parameter's owner.
+_SUMMED_EVERYWHERE, _SUMMED_BY_OWNERS = "every replica", "owners"
 # Live mirrored optimizers (not released) by creation (the order every replica visits them in),
 # and the original optimizers they were built from (an LR scheduler may be attached to one).
 _LIVE_OPTIMIZERS: weakref.WeakValueDictionary[int, MirroredOptimizer] = (

@@ -186,6 +186,22 @@ class ShardedUpdate:
         replica's other gradients are its own share only, consumed by this step."""
         sum_owned_gradients(self.params[replica_id], self._owned_ids[replica_id], everyone)
 
+    def copy_owned_gradients(
+        self, replica_id: int, everyone: Sequence[Sequence[torch.Tensor | None]]
+    ) -> None:
+        """After a step, into replica ``replica_id``'s gradients of the parameters others own,
+        in place: their owners' sums (``everyone``: each replica's gradients), so that it holds
+        the global batch's whole gradient again."""
+        mine = self.params[replica_id]
+        for index, (param, owner) in enumerate(zip(mine, self.owners, strict=True)):
+            source = everyone[owner][index]
+            if owner == replica_id or source is None:
+                continue
+            if param.grad is None:
+                param.grad = source.to(param.device, copy=True)
+            else:
+                param.grad.copy_(source)
+
     def step(self, replica_id: int) -> Any:
         """Update the parameters ``replica_id`` owns, publish new state, copy them to peers.
 
