@@ -11,6 +11,7 @@ from torch import nn
 from torch.nn.utils import clip_grad_norm_, clip_grad_value_
 
 import mirrored
+from mirrored import torch_compat
 from tests.reference_loops import (
     CROSS_DEVICE_OPS,
     OPTIMIZERS,
@@ -394,6 +395,24 @@ def test_the_gradient_norm_after_the_step_is_the_global_batch_s(ops):
     for plain_norms, replica_norms in zip(norms, seen, strict=True):
         for replica_norm in replica_norms:
             torch.testing.assert_close(replica_norm, plain_norms)
+
+
+def test_on_an_unknown_torch_clipping_warns_and_routes_the_public_functions():
+    import types
+
+    def torch_s_clipping(parameters, max_norm):
+        return [id(p) for p in parameters]
+
+    module = types.SimpleNamespace(clip_grad_norm_=torch_s_clipping, clip_grad_value_=len)
+    package = types.SimpleNamespace()
+    seen = []
+    with pytest.warns(RuntimeWarning, match=r"not the one mirrored knows \(_get_total_norm .*"):
+        torch_compat.route_clipping_of(module, package, seen.append)
+    params = list(make_mlp().parameters())
+    # A generator is listed once: the hook and torch's function both see every parameter.
+    assert package.clip_grad_norm_(iter(params), 1.0) == [id(p) for p in params]
+    assert seen == [params]
+    assert module.clip_grad_value_ is package.clip_grad_value_
 
 
 def test_a_released_optimizer_takes_no_part_in_clipping_the_new_one_s_gradients():

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import clip_grad_norm_
 
 import mirrored
 from mirrored.pipeline_split import StageShapeError, balanced_split_points, parameter_costs
@@ -162,6 +163,36 @@ def test_gradients_without_a_step_reach_param_grad_at_the_end_of_the_run():
             strategy.run(backward_only, args=(batch,))
     for a, b in zip(expected.parameters(), net.parameters(), strict=True):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6)
+
+
+CLIPS = {
+    "norm_imported_by_name": lambda params: clip_grad_norm_(params, 1e-3),
+    "norm": lambda params: torch.nn.utils.clip_grad_norm_(params, 1e-3),
+    "value": lambda params: torch.nn.utils.clip_grad_value_(params, 1e-3),
+}
+
+
+@pytest.mark.parametrize("clip", sorted(CLIPS))
+def test_clipping_inside_a_pipeline_step_is_refused_before_any_change(clip):
+    """A pipeline's gradients reach param.grad only at optimizer.step(): clipping before it
+    would clip nothing."""
+    net = make_mlp()
+    before = copy.deepcopy(net.state_dict())
+    with _pipeline(num_microbatches=2) as strategy:
+        model, optimizer = strategy.mirror(net, torch.optim.SGD(net.parameters(), lr=0.1))
+
+        def step(batch):
+            x, y = batch
+            mirrored.compute_average_loss(F.cross_entropy(model(x), y, reduction="none")).backward()
+            CLIPS[clip](model.parameters())
+            optimizer.step()
+            optimizer.zero_grad()
+
+        batch = next(iter(strategy.experimental_distribute_dataset(make_batches()[:1])))
+        with pytest.raises(TypeError, match=r"only at optimizer\.step\(\).*clip_grad_norm_"):
+            strategy.run(step, (batch,))
+    for name, value in net.state_dict().items():
+        assert torch.equal(value, before[name]), name
 
 
 def test_fit_evaluate_predict_unchanged():

@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 import itertools
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +52,7 @@ __all__ = [
     "MirroredModule",
     "MirroredOptimizer",
     "check_optimizer_params",
+    "holds_any",
     "mirror_module",
     "replicate_optimizer",
     "tensors_of",
@@ -448,9 +449,10 @@ class MirroredOptimizer(torch.optim.Optimizer):
             replica.exchange.barrier("all_reduce_gradients: the owners' sums copied")
             self._summed_at_step[replica_id] = _SUMMED_EVERYWHERE
 
-    def holds_gradients(self, replica_id: int, grad_ids: set[int]) -> bool:
-        """Whether any of ``grad_ids`` is the gradient of a parameter of replica ``replica_id``."""
-        return any(id(p.grad) in grad_ids for p in self._params[replica_id] if p.grad is not None)
+    def holds_any(self, replica_id: int, tensor_ids: set[int]) -> bool:
+        """Whether any of ``tensor_ids`` is a parameter of replica ``replica_id`` or the
+        gradient of one."""
+        return holds_any(self._params[replica_id], tensor_ids)
 
     def step(self, closure: Any = None) -> Any:
         """Sum the gradients of every replica, then update every replica (with ``zero_stage``:
@@ -725,17 +727,18 @@ _CREATED = itertools.count()
 _ORIGINAL_OPTIMIZERS: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
 
-def _reduce_before_clipping(grads: list[torch.Tensor]) -> None:
-    """torch's gradient clipping is about to read ``grads``: inside a replica, the mirrored
-    optimizers holding them sum the replicas' gradients first, so it clips the global batch's
-    gradient, as on one device."""
+def _reduce_before_clipping(tensors: list[torch.Tensor]) -> None:
+    """torch's gradient clipping is about to read the gradients of ``tensors`` (parameters, or
+    the gradients themselves): inside a replica, the mirrored optimizers holding them sum the
+    replicas' gradients first, so it clips the global batch's gradient, as on one device (or
+    refuse, where that cannot be done before ``step()``)."""
     replica = current_replica_context()
-    if replica is None or replica.num_replicas_in_sync == 1 or not grads:
+    if replica is None or not tensors:
         return
-    grad_ids = {id(g) for g in grads}
+    tensor_ids = {id(t) for t in tensors}
     for _, optimizer in sorted(_LIVE_OPTIMIZERS.items()):
-        if optimizer._strategy is replica.strategy and optimizer.holds_gradients(
-            replica.local_replica_id, grad_ids
+        if optimizer._strategy is replica.strategy and optimizer.holds_any(
+            replica.local_replica_id, tensor_ids
         ):
             optimizer.all_reduce_gradients()
 
@@ -750,6 +753,13 @@ def _stepped_by_first_replica(scheduler: Any) -> bool:
         return False
     optimizer = getattr(scheduler, "optimizer", None)
     return isinstance(optimizer, MirroredOptimizer) or optimizer in _ORIGINAL_OPTIMIZERS
+
+
+def holds_any(params: Iterable[nn.Parameter], tensor_ids: set[int]) -> bool:
+    """Whether any of ``tensor_ids`` is one of ``params`` or the gradient of one."""
+    return any(
+        id(p) in tensor_ids or (p.grad is not None and id(p.grad) in tensor_ids) for p in params
+    )
 
 
 def _refuse(name: str) -> None:

@@ -40,6 +40,7 @@ from mirrored.mirror import (
     MirroredModule,
     MirroredOptimizer,
     check_optimizer_params,
+    holds_any,
     replicate_optimizer,
 )
 from mirrored.mirrored_strategy import default_devices
@@ -522,14 +523,18 @@ class PipelinedOptimizer(MirroredOptimizer):
         return None
 
     def all_reduce_gradients(self) -> None:
-        """Refused: a pipeline's gradients reach ``param.grad`` only at ``step()``."""
+        """Refused: a pipeline's gradients reach ``param.grad`` only at ``step()`` (torch's
+        gradient clipping inside a run calls this, so it is refused too)."""
         raise TypeError(
             "a pipeline's gradients reach param.grad only at optimizer.step(), so they cannot "
-            "be summed (or clipped) before it"
+            "be summed (or clipped: torch.nn.utils.clip_grad_norm_, clip_grad_value_) before "
+            "it; clip with an optimizer that clips, or on one device"
         )
 
-    def holds_gradients(self, replica_id: int, grad_ids: set[int]) -> bool:
-        return False
+    def holds_any(self, replica_id: int, tensor_ids: set[int]) -> bool:
+        """Whether any of ``tensor_ids`` is a parameter of any pipeline (every micro-batch's
+        replica shares its pipeline's) or the gradient of one."""
+        return holds_any(itertools.chain.from_iterable(self._params), tensor_ids)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The current pipeline's gradients inside ``strategy.run``, every pipeline's outside

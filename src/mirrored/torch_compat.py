@@ -13,14 +13,19 @@ Callers that bound ``checkpoint`` before (Hugging Face's models) go through them
 Gradient clipping (``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_``) between
 ``backward()`` and ``step()`` in a replica would clip the replica's part of the gradient. Both
 functions group the gradients through their module's ``_group_tensors_by_device_and_dtype``
-at every call, whatever name they were imported under: a wrapper there lets the mirrored
-optimizers sum the replicas' gradients first, in place, so that the clipping sees the global
-batch's gradient. torch's LR schedulers stepped inside replicas would advance once per replica:
-their ``step`` methods are wrapped so that a caller may skip them there.
+at every call, whatever name they were imported under, and ``clip_grad_norm_`` hands the
+parameters to the module's ``_clip_grads_with_norm_``: wrappers there (and around the public
+functions, for callers that look them up at the call) let the mirrored optimizers sum the
+replicas' gradients first, in place, so that the clipping sees the global batch's gradient, or
+refuse where that cannot be done (a pipeline's parameters, whose gradients come at ``step()``).
+torch's LR schedulers stepped inside replicas would advance once per replica: their ``step``
+methods are wrapped so that a caller may skip them there.
 
 On a torch whose checkpoint module is not what these wrappers expect nothing is wrapped, and
 ``torch.get_rng_state`` refuses on a replica's thread: every checkpoint that preserves the random
-state calls it as its forward begins, so it raises there rather than recompute other masks.
+state calls it as its forward begins, so it raises there rather than recompute other masks. On a
+torch whose clipping module is not, only the public functions are wrapped, and a warning says
+that a clipping function imported by name earlier clips each replica's part.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from __future__ import annotations
 import functools
 import inspect
 import threading
+import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from types import ModuleType
@@ -198,42 +204,73 @@ def unrecognised_clipping(module: ModuleType | Any) -> str | None:
         code = _code(getattr(module, name, None))
         if code is None or "_group_tensors_by_device_and_dtype" not in code.co_names:
             return f"{name} does not group gradients through _group_tensors_by_device_and_dtype"
+    norm = _code(getattr(module, "clip_grad_norm_", None))
+    if norm is None or "_clip_grads_with_norm_" not in norm.co_names:
+        return "clip_grad_norm_ does not hand its parameters to _clip_grads_with_norm_"
+    if _parameters(getattr(module, "_clip_grads_with_norm_", None))[:1] != ["parameters"]:
+        return "_clip_grads_with_norm_ does not take the parameters first"
     return None
 
 
-def route_gradient_clipping(before: Callable[[list[torch.Tensor]], None]) -> None:
-    """From now on, torch's gradient clipping calls ``before(grads)`` with the gradients it is
-    about to read (once a process; see the module's docstring). On a torch whose clip_grad
-    module is not recognised, the public clipping functions are wrapped instead (a caller that
-    imported them by name earlier keeps torch's own)."""
+# What the clipping route hands ``before``: the parameters, or the gradients, about to be read.
+Clipped = Callable[[list[torch.Tensor]], None]
 
-    def install() -> None:
-        module = torch.nn.utils.clip_grad
-        if unrecognised_clipping(module) is None:
-            grouping = module._group_tensors_by_device_and_dtype
 
-            @functools.wraps(grouping)
-            def grouping_after(tensorlistlist: Any, *args: Any, **kwargs: Any) -> Any:
-                before([t for t in tensorlistlist[0] if isinstance(t, torch.Tensor)])
-                return grouping(tensorlistlist, *args, **kwargs)
+def route_gradient_clipping(before: Clipped) -> None:
+    """From now on, torch's gradient clipping calls ``before(tensors)`` with the parameters, or
+    the gradients, whose gradients it is about to read (once a process; see the module's
+    docstring)."""
+    _once("clipping", lambda: route_clipping_of(torch.nn.utils.clip_grad, torch.nn.utils, before))
 
-            module._group_tensors_by_device_and_dtype = grouping_after
-            return
-        for name in ("clip_grad_norm_", "clip_grad_value_"):
-            original = getattr(module, name)
 
-            @functools.wraps(original)
-            def clipping(parameters: Any, *args: Any, __original: Any = original, **kwargs: Any):
-                if isinstance(parameters, torch.Tensor):
-                    parameters = [parameters]
-                parameters = list(parameters)
-                before([p.grad for p in parameters if p.grad is not None])
-                return __original(parameters, *args, **kwargs)
+def route_clipping_of(module: ModuleType | Any, package: ModuleType | Any, before: Clipped) -> None:
+    """The clipping route on torch's clip_grad ``module`` (whose public functions ``package``
+    exports too); on a module that is not recognised, the public functions only, with a
+    warning."""
+    for name in ("clip_grad_norm_", "clip_grad_value_"):
+        wrapper = _calling_first(getattr(module, name), before, _as_list)
+        setattr(module, name, wrapper)
+        setattr(package, name, wrapper)
+    reason = unrecognised_clipping(module)
+    if reason is not None:
+        warnings.warn(
+            f"torch {torch.__version__}'s gradient clipping is not the one mirrored knows "
+            f"({reason}): torch.nn.utils.clip_grad_norm_ and clip_grad_value_ clip the global "
+            "batch's gradient inside strategy.run when looked up at the call, but a clipping "
+            "function imported by name before mirrored's first mirror() clips each replica's "
+            "part; call optimizer.all_reduce_gradients() before clipping with it",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return
+    grouping = "_group_tensors_by_device_and_dtype"
+    first_list = _calling_first(getattr(module, grouping), before, lambda lists: _as_list(lists[0]))
+    setattr(module, grouping, first_list)
+    norm = "_clip_grads_with_norm_"
+    setattr(module, norm, _calling_first(getattr(module, norm), before, _as_list))
 
-            setattr(module, name, clipping)
-            setattr(torch.nn.utils, name, clipping)
 
-    _once("clipping", install)
+def _as_list(tensors: Any) -> list[torch.Tensor]:
+    """A clipping function's tensor or iterable of tensors as a list of tensors."""
+    if isinstance(tensors, torch.Tensor):
+        return [tensors]
+    return [t for t in tensors if isinstance(t, torch.Tensor)]
+
+
+def _calling_first(
+    function: Callable[..., Any], before: Clipped, tensors_of: Callable[[Any], list[torch.Tensor]]
+) -> Callable[..., Any]:
+    """``function`` that first calls ``before`` with the tensors of its first argument (a
+    generator of parameters is listed once, and handed on as that list)."""
+
+    @functools.wraps(function)
+    def calling_first(first: Any, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(first, torch.Tensor) and not isinstance(first, (list, tuple)):
+            first = list(first)
+        before(tensors_of(first))
+        return function(first, *args, **kwargs)
+
+    return calling_first
 
 
 def route_scheduler_steps(skip: Callable[[Any], bool]) -> None:
