@@ -549,6 +549,74 @@ def test_a_scheduler_stepped_inside_replicas_advances_once_per_update(strategy, 
     assert_replicas_identical(model)
 
 
+class _Halving(torch.optim.lr_scheduler.LRScheduler):
+    """A third-party scheduler with a step of its own (defined before any mirror())."""
+
+    def step(self, epoch=None):
+        for group in self.optimizer.param_groups:
+            group["lr"] *= 0.5
+
+
+@pytest.mark.parametrize("defined", ["before_mirror", "after_mirror"])
+def test_a_scheduler_of_any_class_stepped_inside_replicas_advances_once(strategy, defined):
+    batches = make_batches()[:3]
+    module = make_mlp()
+    model, optimizer = strategy.mirror(module, torch.optim.SGD(module.parameters(), lr=1.0))
+    kind = _Halving
+    if defined == "after_mirror":
+
+        class Halving(_Halving):
+            def step(self, epoch=None):  # its own step again, on a class made after mirror()
+                super().step(epoch)
+
+        kind = Halving
+    scheduler = kind(optimizer)
+    expected = make_mlp()
+    plain_optimizer = torch.optim.SGD(expected.parameters(), lr=1.0)
+    plain_scheduler = kind(plain_optimizer)
+
+    def step(model, optimizer, scheduler, loss):
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+
+    for x, y in batches:
+        step(expected, plain_optimizer, plain_scheduler, F.cross_entropy(expected(x), y))
+    for batch in strategy.experimental_distribute_dataset(batches):
+        strategy.run(
+            lambda b: step(model, optimizer, scheduler, _average_loss(model, *b)), (batch,)
+        )
+    assert optimizer.param_groups[0]["lr"] == plain_optimizer.param_groups[0]["lr"] == 2**-4
+    assert_same_parameters(expected, model)
+
+
+def _average_loss(model, x, y):
+    return mirrored.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"))
+
+
+def test_scheduler_classes_are_routed_whenever_they_are_defined():
+    class Base:
+        def step(self):
+            return "stepped"
+
+    class Early(Base):
+        def step(self):
+            return super().step() + " early"
+
+    skipped = set()
+    torch_compat.route_steps_of_subclasses(Base, lambda scheduler: id(scheduler) in skipped)
+
+    class Late(Early):
+        def step(self):
+            return super().step() + " late"
+
+    schedulers = [Base(), Early(), Late()]
+    assert [s.step() for s in schedulers] == ["stepped", "stepped early", "stepped early late"]
+    skipped.update(id(s) for s in schedulers)
+    assert [s.step() for s in schedulers] == [None, None, None]
+
+
 def test_summing_gradients_early_is_refused_where_step_sums_its_own_way():
     with mirrored.MirroredStrategy(DEVICES[:2], gradient_accumulation_steps=2) as strategy:
         module = make_mlp()

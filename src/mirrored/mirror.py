@@ -271,8 +271,9 @@ class MirroredOptimizer(torch.optim.Optimizer):
 
     It is a ``torch.optim.Optimizer`` so that torch's LR schedulers take it: they change the
     hyperparameters of ``param_groups`` (replica 0's), which every replica takes at its next
-    step. Call ``scheduler.step()`` in the training loop, outside ``strategy.run``: each replica
-    calling it would advance the schedule once per replica."""
+    step. ``scheduler.step()`` may be called outside ``strategy.run`` or inside it, on every
+    replica: there replica 0's call alone advances the schedule (:mod:`mirrored.torch_compat`
+    routes every ``LRScheduler`` subclass's ``step``)."""
 
     def __init__(
         self,

@@ -18,8 +18,9 @@ parameters to the module's ``_clip_grads_with_norm_``: wrappers there (and aroun
 functions, for callers that look them up at the call) let the mirrored optimizers sum the
 replicas' gradients first, in place, so that the clipping sees the global batch's gradient, or
 refuse where that cannot be done (a pipeline's parameters, whose gradients come at ``step()``).
-torch's LR schedulers stepped inside replicas would advance once per replica: their ``step``
-methods are wrapped so that a caller may skip them there.
+LR schedulers stepped inside replicas would advance once per replica: the ``step`` methods of
+torch's and of every other subclass of its ``LRScheduler`` (defined before or after) are wrapped
+so that a caller may skip them there.
 
 On a torch whose checkpoint module is not what these wrappers expect nothing is wrapped, and
 ``torch.get_rng_state`` refuses on a replica's thread: every checkpoint that preserves the random
@@ -47,6 +48,7 @@ __all__ = [
     "route_checkpoint_recomputes",
     "route_gradient_clipping",
     "route_scheduler_steps",
+    "route_steps_of_subclasses",
     "unrecognised_checkpoint",
 ]
 
@@ -274,26 +276,46 @@ def _calling_first(
 
 
 def route_scheduler_steps(skip: Callable[[Any], bool]) -> None:
-    """From now on, torch's LR schedulers' ``step`` does nothing where ``skip(scheduler)`` (once
-    a process; every class of torch.optim.lr_scheduler that defines its own ``step``)."""
+    """From now on, LR schedulers' ``step`` does nothing where ``skip(scheduler)`` (once a
+    process): torch's, and those of every other subclass of its ``LRScheduler`` that defines
+    its own ``step`` (a third party's), whenever the class is defined."""
+    _once(
+        "schedulers",
+        lambda: route_steps_of_subclasses(torch.optim.lr_scheduler.LRScheduler, skip),
+    )
 
-    def install() -> None:
-        schedulers = torch.optim.lr_scheduler
-        for value in list(vars(schedulers).values()):
-            if not (
-                isinstance(value, type)
-                and issubclass(value, (schedulers.LRScheduler, schedulers.ReduceLROnPlateau))
-                and "step" in vars(value)
-            ):
-                continue
-            original = vars(value)["step"]
 
-            @functools.wraps(original)
-            def step(self: Any, *args: Any, __original: Any = original, **kwargs: Any) -> Any:
-                if skip(self):
-                    return None
-                return __original(self, *args, **kwargs)
+def route_steps_of_subclasses(base: type, skip: Callable[[Any], bool]) -> None:
+    """Route the ``step`` of ``base`` and of each of its subclasses that defines one: those that
+    exist now, and, through ``base.__init_subclass__``, those defined later."""
+    pending = [base]
+    while pending:
+        cls = pending.pop()
+        _route_step(cls, skip)
+        pending.extend(cls.__subclasses__())
+    previous = base.__dict__.get("__init_subclass__")
 
-            value.step = step  # type: ignore[method-assign]
+    def init_subclass(cls: type, **kwargs: Any) -> None:
+        if previous is not None:
+            previous.__func__(cls, **kwargs)
+        else:
+            super(base, cls).__init_subclass__(**kwargs)  # type: ignore[arg-type]
+        _route_step(cls, skip)
 
-    _once("schedulers", install)
+    base.__init_subclass__ = classmethod(init_subclass)  # type: ignore[assignment]
+
+
+def _route_step(cls: type, skip: Callable[[Any], bool]) -> None:
+    """``cls.step``, if ``cls`` defines its own, made to do nothing where ``skip(self)``."""
+    original = cls.__dict__.get("step")
+    if not callable(original) or getattr(original, "_mirrored_routed", False):
+        return
+
+    @functools.wraps(original)
+    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if skip(self):
+            return None
+        return original(self, *args, **kwargs)
+
+    step._mirrored_routed = True  # type: ignore[attr-defined]
+    cls.step = step  # type: ignore[attr-defined]
