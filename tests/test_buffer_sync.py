@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -55,7 +56,7 @@ def test_a_moving_average_is_averaged_and_counters_follow_their_aggregation(devi
     batches = make_batches(num_examples=16 * 6)  # even shards: the EMA's mean is one device's
     expected = _plain(batches)
     module = WithEMA()
-    mirrored.set_buffer_aggregation(module, {"examples": "sum"})
+    mirrored.set_buffer_aggregation(module, {"examples": "sum", "calls": "only_first_replica"})
     with mirrored.MirroredStrategy([f"cpu:{i}" for i in range(devices)]) as strategy:
         model, optimizer = strategy.mirror(module, torch.optim.SGD(module.parameters(), lr=0.1))
         _train(strategy, model, optimizer, batches)
@@ -69,12 +70,54 @@ def test_a_moving_average_is_averaged_and_counters_follow_their_aggregation(devi
 
 def test_an_integer_buffer_that_differs_is_an_error_naming_it_and_nothing_diverges():
     module = WithEMA()
+    mirrored.set_buffer_aggregation(module, {"calls": "only_first_replica"})
     batches = make_batches(num_examples=11, batch_size=11)  # shards of 6 and 5
+    expected = _plain(batches)
     with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
         model, optimizer = strategy.mirror(module, torch.optim.SGD(module.parameters(), lr=0.1))
-        with pytest.raises(ValueError, match=r"buffer 'examples' \(torch\.int64\) changed diff"):
+        with pytest.raises(
+            ValueError, match=r"buffer 'examples' \(torch\.int64\) changed diff"
+        ) as e:
             _train(strategy, model, optimizer, batches)
         assert_replicas_identical(model)  # the failed run resynced every replica from replica 0
+    # The buffers are compared as the run ends: the step was taken, and the error says so.
+    assert "(its optimizer.step()) were applied" in "\n".join(e.value.__notes__)
+    assert "replica 0's parameters, optimizer state and buffers" in "\n".join(e.value.__notes__)
+    torch.testing.assert_close(module.linear.weight, expected.linear.weight)
+    assert module.examples.item() == 6  # replica 0's shard
+
+
+@pytest.mark.parametrize("on", ["mirrored_module", "original_module"])
+def test_sum_chosen_after_mirror_adds_the_replicas_changes(on):
+    module = WithEMA()
+    with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
+        model, optimizer = strategy.mirror(module, torch.optim.SGD(module.parameters(), lr=0.1))
+        mirrored.set_buffer_aggregation(
+            model if on == "mirrored_module" else module,
+            {"examples": "sum", "calls": "only_first_replica"},
+        )
+        _train(strategy, model, optimizer, make_batches(num_examples=22, batch_size=11))
+        assert_replicas_identical(model)
+    assert module.examples.item() == 22 and module.calls.item() == 2
+
+
+def test_an_integer_buffer_changed_alike_without_an_aggregation_warns_once_naming_it():
+    """Copies that agree may still be wrong (an example count on equal shards): an integer
+    buffer has no default aggregation, so the first run that changes one says so."""
+    module = WithEMA()
+    mirrored.set_buffer_aggregation(module, {"calls": "only_first_replica"})
+    batches = make_batches(num_examples=24, batch_size=12)  # shards of 6 and 6
+    with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
+        model, optimizer = strategy.mirror(module, torch.optim.SGD(module.parameters(), lr=0.1))
+        with pytest.warns(mirrored.BufferAggregationWarning) as caught:
+            _train(strategy, model, optimizer, batches[:1])
+        (warning,) = caught  # 'examples' alone: 'calls' has its aggregation, 'ema' is floating
+        assert "buffer 'examples' (torch.int64)" in str(warning.message)
+        assert "set_buffer_aggregation(module, {'examples': 'sum'})" in str(warning.message)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            _train(strategy, model, optimizer, batches[1:])
+    assert module.examples.item() == 12  # kept as each replica counted it: what was warned
 
 
 def test_only_first_replica_and_reassigned_buffers():
@@ -103,6 +146,7 @@ def test_only_first_replica_and_reassigned_buffers():
         assert_replicas_identical(model)
 
 
+@pytest.mark.filterwarnings("error::mirrored.BufferAggregationWarning")
 def test_batch_norm_statistics_of_a_forward_without_optimizer_are_averaged():
     torch.manual_seed(0)
     module = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))

@@ -11,7 +11,7 @@ import importlib
 from typing import Any
 
 from mirrored import callbacks, checkpoint, config, losses, metrics, optimizers, partitioners
-from mirrored.buffer_sync import set_buffer_aggregation
+from mirrored.buffer_sync import BufferAggregationWarning, set_buffer_aggregation
 from mirrored.cluster_resolver import (
     ClusterResolver,
     TFConfigClusterResolver,
@@ -59,6 +59,7 @@ from mirrored.values import PerReplica, ReduceOp, VariableAggregation
 __version__ = "0.1.0"
 
 __all__ = [
+    "BufferAggregationWarning",
     "ClusterCoordinator",
     "ClusterResolver",
     "CommunicationImplementation",

@@ -273,8 +273,12 @@ class Strategy:
                             # memory from being reused before this replica is done with it.
                             leaf.record_stream(torch.cuda.current_stream())
                 result = fn(*args, **kwargs)
-                for module in buffers:
-                    module.sync_buffers(replica)
+                try:
+                    for module in buffers:
+                        module.sync_buffers(replica)
+                except ValueError as error:
+                    add_note(error, _AFTER_FN)
+                    raise
                 return result
         except BaseException as error:
             rendezvous.abort(error)
@@ -541,6 +545,15 @@ class Strategy:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+# Noted on an error of the buffers' sync, which runs once fn has returned.
+_AFTER_FN = (
+    "The buffers are compared as the run ends, after fn returned: the updates fn made (its "
+    "optimizer.step()) were applied. Every replica is reset to replica 0's parameters, "
+    "optimizer state and buffers, so the replicas agree; replica 0's copy of a buffer that "
+    "differed is its own shard's."
+)
 
 
 def add_note(error: BaseException, note: str) -> None:
