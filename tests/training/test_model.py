@@ -568,6 +568,28 @@ class TestBadInput:
             model.learning_rate = 0.5
 
 
+def test_a_compile_that_fails_changes_nothing() -> None:
+    """A re-compile refused for its optimizer, or for one of its arguments, leaves the model
+    compiled, mirrored and training as before."""
+    x, y, _ = data()
+    reference = make_mlp()
+    plain_fit(reference, x, y, epochs=2, shuffle=False)
+    with strategy_for(2) as strategy:
+        model = compiled(strategy, make_mlp())
+        model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+        foreign = torch.optim.SGD(make_mlp().parameters(), lr=0.1)
+        loss = mirrored.losses.SparseCategoricalCrossentropy(from_logits=True)
+        with strategy.scope():
+            with pytest.raises(ValueError, match="not in the module"):
+                model.compile(optimizer=foreign, loss=loss, steps_per_execution=2)
+            with pytest.raises(ValueError, match="precision"):
+                model.compile(optimizer="sgd", loss=loss, steps_per_execution=2, precision="8")
+        assert model._steps_per_execution == 1
+        model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+        assert_replicas_identical(model._replicas)
+    assert_same_parameters(reference, model.module)
+
+
 def test_predict_from_a_callback_keeps_training_mode_and_fit_state() -> None:
     x, y, _ = data()
     modes: list[bool] = []

@@ -37,7 +37,7 @@ from mirrored.callbacks.callback import Callback, CallbackList
 from mirrored.callbacks.history import History
 from mirrored.callbacks.progbar_logger import ProgbarLogger
 from mirrored.input import global_batch_size_of
-from mirrored.mirror import MirroredModule
+from mirrored.mirror import MirroredModule, check_optimizer_params
 from mirrored.strategy import Strategy, default_strategy
 from mirrored.training import saved_state
 from mirrored.training.data_adapter import DataAdapter, _is_array_structure
@@ -72,6 +72,18 @@ def _has_lazy_parameters(module: nn.Module) -> bool:
         torch.nn.parameter.is_lazy(t)
         for t in itertools.chain(module.parameters(), module.buffers())
     )
+
+
+def _metric_set(
+    metrics: Sequence[metrics_module.Metric], weighted: Sequence[metrics_module.Metric]
+) -> MetricSet:
+    """The compiled metrics; a weighted metric whose name another one (or the loss) has is
+    logged as ``weighted_<name>``."""
+    taken = {m.name for m in metrics} | {"loss"}
+    for metric in weighted:
+        if metric.name in taken:
+            metric.name = f"weighted_{metric.name}"
+    return MetricSet(metrics, weighted)
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -282,35 +294,12 @@ class Model:
         ``steps_per_execution``: batches per ``strategy.run`` (callbacks' batch hooks run once
         per execution).
         """
-        current = context.get_strategy()
-        if context.has_strategy() and current is not self.strategy:
-            raise ValueError(
-                f"compile() was called in the scope of {current}, but the model was created "
-                f"under {self.strategy}; create and compile the model in the same scope"
-            )
-        if self._in_fit:
-            raise RuntimeError("compile() was called during fit(); compile before fit")
-        loss_object = None if loss is None else losses_module.get(loss)
-        if getattr(loss_object, "ignore_class", None) is not None:
-            raise ValueError(
-                "compile() does not take a loss with ignore_class yet (fit averages over every "
-                "position of the global batch); give the ignored positions sample_weight 0"
-            )
-        self._steps_per_execution = _positive_int("steps_per_execution", steps_per_execution)
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision={precision!r}: expected one of {sorted(PRECISIONS)}")
-        if precision == "16-mixed" and not self.strategy.gradients_after_backward:
-            raise ValueError(
-                f"precision='16-mixed' unscales gradients between backward and the optimizer "
-                f"step, where {type(self.strategy).__name__} has not summed them yet; use "
-                "precision='bf16-mixed' (no loss scaling) or '32'"
-            )
+        self._check_can_compile()
+        loss_object = self._compiled_loss(loss)
+        _positive_int("steps_per_execution", steps_per_execution)
+        self._check_precision(precision)
         compiled_metrics = self._metrics("metrics", metrics, loss_object)
         compiled_weighted = self._metrics("weighted_metrics", weighted_metrics, loss_object)
-        taken = {m.name for m in compiled_metrics} | {"loss"}
-        for metric in compiled_weighted:
-            if metric.name in taken:
-                metric.name = f"weighted_{metric.name}"
         lazy = _has_lazy_parameters(self.module)
         if lazy and self._on_parameter_servers:
             raise ValueError(
@@ -321,17 +310,63 @@ class Model:
         # objects in place.
         torch_optimizer, schedule = self._build_optimizer(optimizer)
         self._check_lr_scheduler(lr_scheduler, torch_optimizer, schedule)
-        if isinstance(self._replicas, MirroredModule):
-            self._replicas.release()  # compiled again: the module is mirrored anew
-        self._steps = Steps(
+        check_optimizer_params(self.module, torch_optimizer)
+        # Everything is checked: from here on the model changes, all of it.
+        steps = Steps(
             module=None,
             optimizer=None,
             loss=loss_object,
-            metrics=MetricSet(compiled_metrics, compiled_weighted),
+            metrics=_metric_set(compiled_metrics, compiled_weighted),
             precision=precision,
             schedule=schedule,
             lr_scheduler=lr_scheduler,
         )
+        self._install(steps, torch_optimizer, steps_per_execution, sync_batch_norm, lazy)
+
+    def _check_can_compile(self) -> None:
+        current = context.get_strategy()
+        if context.has_strategy() and current is not self.strategy:
+            raise ValueError(
+                f"compile() was called in the scope of {current}, but the model was created "
+                f"under {self.strategy}; create and compile the model in the same scope"
+            )
+        if self._in_fit:
+            raise RuntimeError("compile() was called during fit(); compile before fit")
+
+    @staticmethod
+    def _compiled_loss(loss: Any) -> losses_module.Loss | None:
+        loss_object = None if loss is None else losses_module.get(loss)
+        if getattr(loss_object, "ignore_class", None) is not None:
+            raise ValueError(
+                "compile() does not take a loss with ignore_class yet (fit averages over every "
+                "position of the global batch); give the ignored positions sample_weight 0"
+            )
+        return loss_object
+
+    def _check_precision(self, precision: str) -> None:
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision={precision!r}: expected one of {sorted(PRECISIONS)}")
+        if precision == "16-mixed" and not self.strategy.gradients_after_backward:
+            raise ValueError(
+                f"precision='16-mixed' unscales gradients between backward and the optimizer "
+                f"step, where {type(self.strategy).__name__} has not summed them yet; use "
+                "precision='bf16-mixed' (no loss scaling) or '32'"
+            )
+
+    def _install(
+        self,
+        steps: Steps,
+        torch_optimizer: torch.optim.Optimizer,
+        steps_per_execution: int,
+        sync_batch_norm: bool,
+        lazy: bool,
+    ) -> None:
+        """A checked compile takes effect: the previous mirror is released, and the module is
+        mirrored anew with the new optimizer (a lazy one once it is built)."""
+        if isinstance(self._replicas, MirroredModule):
+            self._replicas.release()
+        self._steps = steps
+        self._steps_per_execution = steps_per_execution
         self._replicas, self._optimizer = None, torch_optimizer
         self._sync_batch_norm = sync_batch_norm
         if not lazy:
