@@ -90,6 +90,15 @@ def _continue_training(strategy, model, optimizer, batches):
         strategy.run(step, args=(batch,))
 
 
+def _train_plain_scheduled(model, optimizer, scheduler, batches):
+    """The plain loop with an LR scheduler stepped after every update."""
+    for x, y in batches:
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+
+
 def _one_step(strategy, model, optimizer, batch):
     def step(batch):
         x, y = batch
@@ -236,6 +245,31 @@ def test_a_learning_rate_set_by_replica_0_inside_the_step_reaches_every_replica(
         assert_replicas_identical(model)
 
 
+@pytest.mark.parametrize("ops", ["hierarchical", "one_device"])
+def test_a_tensor_learning_rate_is_each_replica_s_own(ops):
+    """A torch scheduler moves a tensor learning rate in place: every replica takes its value
+    at each update into a tensor of its own, never replica 0's tensor itself."""
+    batches = make_batches()[:4]
+    expected = make_mlp()
+    plain_optimizer = torch.optim.Adam(expected.parameters(), lr=torch.tensor(0.01))
+    plain_scheduler = torch.optim.lr_scheduler.StepLR(plain_optimizer, 1, gamma=0.5)
+    _train_plain_scheduled(expected, plain_optimizer, plain_scheduler, batches)
+    with mirrored.MirroredStrategy(DEVICES, CROSS_DEVICE_OPS[ops]()) as strategy:
+        module = make_mlp()
+        original = torch.optim.Adam(module.parameters(), lr=torch.tensor(0.01))
+        model, optimizer = strategy.mirror(module, original)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)
+        for batch in strategy.experimental_distribute_dataset(batches):
+            _one_step(strategy, model, optimizer, batch)
+            scheduler.step()
+    rates = [o.param_groups[0]["lr"] for o in optimizer.optimizers]
+    assert len({id(rate) for rate in rates}) == len(rates)
+    assert [float(r) for r in rates[1:]] == pytest.approx([0.01 * 0.5**3] * 2)  # last update's
+    assert float(rates[0]) == float(plain_optimizer.param_groups[0]["lr"])
+    assert float(rates[0]) == pytest.approx(0.01 * 0.5**4)
+    assert_same_parameters(expected, model)
+
+
 def test_mirrored_module_behaves_like_an_object_users_probe():
     import copy
 
@@ -278,11 +312,7 @@ def test_torch_schedulers_drive_every_replica(strategy, name, built):
     reference = make_mlp()
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     reference_scheduler = SCHEDULERS[name](reference_optimizer)
-    for x, y in batches:
-        F.cross_entropy(reference(x), y).backward()
-        reference_optimizer.step()
-        reference_optimizer.zero_grad()
-        reference_scheduler.step()
+    _train_plain_scheduled(reference, reference_optimizer, reference_scheduler, batches)
 
     module = make_mlp()
     original = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
@@ -522,11 +552,7 @@ def test_a_scheduler_stepped_inside_replicas_advances_once_per_update(strategy, 
     reference = make_mlp()
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     reference_scheduler = torch.optim.lr_scheduler.StepLR(reference_optimizer, 2, gamma=0.5)
-    for x, y in batches:
-        F.cross_entropy(reference(x), y).backward()
-        reference_optimizer.step()
-        reference_optimizer.zero_grad()
-        reference_scheduler.step()
+    _train_plain_scheduled(reference, reference_optimizer, reference_scheduler, batches)
 
     module = make_mlp()
     original = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)

@@ -34,11 +34,11 @@ from mirrored.buffer_sync import BufferSync
 from mirrored.context import ReplicaContext, current_replica_context
 from mirrored.cross_device_ops import HierarchicalCopyAllReduce
 from mirrored.gradient_reducer import OverlappedGradientReducer
+from mirrored.param_groups import snapshot, take_hyperparameters
 from mirrored.rendezvous import SyncMismatchError
 from mirrored.sharded_update import (
     PER_PARAMETER_OPTIMIZERS,
     ShardedUpdate,
-    hyperparameters,
     load_own_copy,
     state_bytes,
 )
@@ -518,15 +518,16 @@ class MirroredOptimizer(torch.optim.Optimizer):
         and whether it ran a backward pass since its last update; replica 0 posts its
         hyperparameters as of this step (an LR schedule, a warm-up set inside the replica
         function), snapshotted so that no replica reads its groups while it changes them, and
-        every replica takes them. Returns every replica's ``payload``.
+        every replica takes them (a tensor into one of its own). Returns every replica's
+        ``payload``.
 
         A replica that steps without a backward while others ran one would drop its shard's
         gradient: ``SyncMismatchError`` on every replica, before anything is updated."""
         replica_id = replica.local_replica_id
         ran_backward = replica.backward_passes > 0
         replica.backward_passes = 0
-        snapshot = None if replica_id else [hyperparameters(g) for g in self.param_groups]
-        posted = replica.exchange.all("optimizer.step", (ran_backward, snapshot, payload))
+        settings = None if replica_id else snapshot(self.param_groups)
+        posted = replica.exchange.all("optimizer.step", (ran_backward, settings, payload))
         ran = [flag for flag, _, _ in posted]
         if any(ran) and not all(ran):
             first = replica.replica_id_in_sync_group - replica_id
@@ -542,7 +543,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
             for group, values in zip(
                 self.optimizers[replica_id].param_groups, posted[0][1], strict=True
             ):
-                group.update(values)
+                take_hyperparameters(group, values)
         return [p for _, _, p in posted]
 
     def _local_update(self, replica: ReplicaContext, average: bool) -> Any:

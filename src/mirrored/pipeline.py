@@ -44,6 +44,7 @@ from mirrored.mirror import (
     replicate_optimizer,
 )
 from mirrored.mirrored_strategy import default_devices
+from mirrored.param_groups import snapshot, take_hyperparameters
 from mirrored.pipeline_executor import Pipeline, PipelineRun, StageTimeline
 from mirrored.pipeline_schedule import SCHEDULES
 from mirrored.pipeline_split import (
@@ -280,19 +281,17 @@ class PipelineStrategy(Strategy):
     def _step(self, replica: ReplicaContext, optimizer: PipelinedOptimizer) -> None:
         """``optimizer.step()`` on every replica: once all are here, the first sums the
         pipelines' gradients and updates each pipeline once."""
-        snapshot = None
+        settings = None
         if replica.local_replica_id == 0:
-            snapshot = [
-                {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups
-            ]
-        replica.exchange.all("optimizer.step", snapshot)
+            settings = snapshot(optimizer.param_groups)
+        replica.exchange.all("optimizer.step", settings)
         if replica.local_replica_id == 0:
             try:
                 self._apply_gradients(self._deadline())
-                assert snapshot is not None
+                assert settings is not None
                 for other in optimizer.optimizers[1:]:
-                    for group, values in zip(other.param_groups, snapshot, strict=True):
-                        group.update(values)
+                    for group, values in zip(other.param_groups, settings, strict=True):
+                        take_hyperparameters(group, values)
                 for each in optimizer.optimizers:
                     each.step()
             except BaseException as error:

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from mirrored.param_groups import hyperparameters
+
 __all__ = [
     "check_module_state",
     "check_optimizer_groups_state",
@@ -112,7 +114,7 @@ def _check_optimizer(
     for g, (group, saved) in enumerate(zip(groups, saved_groups, strict=True)):
         where = f"{source}: the optimizer state's parameter group {g}"
         missing = sorted(
-            set(_hyperparameters(group)) - _loaded_hyperparameters(builder, group, saved, where)
+            set(hyperparameters(group)) - _loaded_hyperparameters(builder, group, saved, where)
         )
         if missing:
             raise ValueError(
@@ -165,10 +167,6 @@ def first_non_finite(state_dict: Mapping[str, Any]) -> str | None:
 
 
 # -- what an optimizer keeps ----------------------------------------------------------------------
-def _hyperparameters(group: Mapping[str, Any]) -> dict[str, Any]:
-    return {key: value for key, value in group.items() if key != "params"}
-
-
 def _scratch(
     kind: Callable[..., torch.optim.Optimizer] | None,
     hyperparameters: Mapping[str, Any],
@@ -201,9 +199,9 @@ def _loaded_hyperparameters(
 ) -> set[str]:
     """The hyperparameters a group has once ``saved`` is loaded into it: the saved ones, and
     those torch fills in for state dicts of older versions (a scratch optimizer's load tells)."""
-    made = _scratch(kind, _hyperparameters(group), next(iter(group["params"]), None))
+    made = _scratch(kind, hyperparameters(group), next(iter(group["params"]), None))
     if made is None:
-        return set(_hyperparameters(saved))
+        return set(hyperparameters(saved))
     scratch, _ = made
     try:
         scratch.load_state_dict({"state": {}, "param_groups": [{**saved, "params": [0]}]})
@@ -211,7 +209,7 @@ def _loaded_hyperparameters(
         raise ValueError(
             f"{where} does not load into a {type(scratch).__name__}: {error!r}"
         ) from error
-    return set(_hyperparameters(scratch.param_groups[0]))
+    return set(hyperparameters(scratch.param_groups[0]))
 
 
 def _kept_state(
@@ -222,7 +220,7 @@ def _kept_state(
     """Each entry the state of ``param`` (of ``group``) holds once the optimizer has stepped
     it, with what it must be (None: anything); None where a scratch copy cannot step (an
     optimizer that needs a closure or other arguments)."""
-    made = _scratch(kind, _hyperparameters(group), param)
+    made = _scratch(kind, hyperparameters(group), param)
     if made is None:
         return None
     scratch, probe = made
@@ -261,7 +259,7 @@ def _known_kinds() -> tuple[tuple[str, frozenset[str], frozenset[str]], ...]:
                 scratch.step()
             except Exception:
                 continue
-            names = frozenset(_hyperparameters(scratch.param_groups[0]))
+            names = frozenset(hyperparameters(scratch.param_groups[0]))
             kinds.append((kind.__name__, names, frozenset(scratch.state[probe])))
     return tuple(kinds)
 
@@ -273,10 +271,10 @@ def _saved_by_state(entry: Mapping[str, Any]) -> str:
 
 
 def _saved_by_hyperparameters(saved: Mapping[str, Any]) -> str:
-    hyperparameters = set(_hyperparameters(saved))
-    names = sorted({name for name, keys, _ in _known_kinds() if keys == hyperparameters})
+    saved_names = set(hyperparameters(saved))
+    names = sorted({name for name, keys, _ in _known_kinds() if keys == saved_names})
     guess = f": saved by {' or '.join(names)}?" if names else ""
-    return f"it has {sorted(hyperparameters)}{guess}"
+    return f"it has {sorted(saved_names)}{guess}"
 
 
 def _breaks(rule: str | None, value: Any, param: torch.Tensor) -> str | None:

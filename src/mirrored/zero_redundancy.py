@@ -42,9 +42,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from mirrored.param_groups import hyperparameters
 from mirrored.sharded_update import (
     PER_PARAMETER_OPTIMIZERS,
-    hyperparameters,
     load_own_copy,
     state_bytes,
     step_owned,
