@@ -114,6 +114,52 @@ def test_an_average_is_the_mean_of_the_replicas_parameters_and_running_statistic
             assert not torch.equal(replayed[0][name], replayed[1][name]), name
 
 
+def test_clipping_in_a_local_update_clips_the_shard_s_mean_gradient() -> None:
+    """A local update uses its shard's mean gradient: clip_grad_norm_ inside the replica clips
+    that (and logs its norm), as plain training on the shard would, after as before a step."""
+    x, y = torch.randn(16, 6), torch.randint(0, 3, (16,))
+    module = _batch_norm_mlp()
+    max_norm = 0.05  # well below the gradients' norms: every update is clipped
+
+    def clipped_step(model, optimizer, loss):
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        optimizer.step()
+        after = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+        optimizer.zero_grad()
+        return torch.stack([norm, after])
+
+    with mirrored.MirroredStrategy(DEVICES[:2], local_sgd=mirrored.LocalSGD(period=2)) as strategy:
+        mirrored_model, optimizer = strategy.mirror(
+            module, torch.optim.SGD(module.parameters(), lr=0.1)
+        )
+        (batch,) = strategy.experimental_distribute_dataset([(x, y)])
+
+        def step(batch):
+            inputs, labels = batch
+            per_example = torch.nn.functional.cross_entropy(
+                mirrored_model(inputs), labels, reduction="none"
+            )
+            return clipped_step(
+                mirrored_model, optimizer, mirrored.compute_average_loss(per_example)
+            )
+
+        norms = [strategy.experimental_local_results(strategy.run(step, (batch,)))]
+        norms.append(strategy.experimental_local_results(strategy.run(step, (batch,))))
+    replayed = []
+    for replica, (lo, hi) in enumerate([(0, 8), (8, 16)]):
+        plain = _batch_norm_mlp()
+        plain_optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
+        for update in range(2):
+            loss = torch.nn.functional.cross_entropy(plain(x[lo:hi]), y[lo:hi])
+            plain_norms = clipped_step(plain, plain_optimizer, loss)
+            torch.testing.assert_close(norms[update][replica], plain_norms)
+        replayed.append(plain.state_dict())
+    for name, value in module.state_dict().items():
+        if value.is_floating_point():
+            torch.testing.assert_close(value, (replayed[0][name] + replayed[1][name]) / 2)
+
+
 def test_local_sgd_converges_on_the_digits_close_to_synchronous_training() -> None:
     sklearn = pytest.importorskip("sklearn.datasets")
     digits = sklearn.load_digits()

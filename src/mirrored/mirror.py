@@ -286,11 +286,12 @@ class MirroredOptimizer(torch.optim.Optimizer):
         self._strategy = strategy
         self.released = False
         self.optimizers = tuple(optimizers)
-        # Per replica: all_reduce_gradients() summed this step's gradients already.
+        # Per replica: all_reduce_gradients() made this step's gradients the update's already
+        # (summed them; for a local SGD update, scaled them to the shard's mean).
         self._reduced_early = [False] * len(optimizers)
-        # Per replica: where the last update left the gradients it summed, while no backward
-        # has added to them (to clip or log them after step()): None, or one of _SUMMED.
-        self._summed_at_step: list[str | None] = [None] * len(optimizers)
+        # Per replica: how the last update left the gradients it used, while no backward has
+        # added to them (to clip or log them after step()): None, _AS_USED or _ON_OWNERS.
+        self._after_update: list[str | None] = [None] * len(optimizers)
         self._created = next(_CREATED)
         _LIVE_OPTIMIZERS[self._created] = self
         _ORIGINAL_OPTIMIZERS.add(optimizers[0])
@@ -402,29 +403,27 @@ class MirroredOptimizer(torch.optim.Optimizer):
         if self._window is not None:
             self._window.advance(replica.local_replica_id)
         self.optimizers[replica.local_replica_id].zero_grad(set_to_none=True)
-        self._summed_at_step[replica.local_replica_id] = None
+        self._after_update[replica.local_replica_id] = None
 
     def all_reduce_gradients(self) -> None:
         """Inside ``strategy.run``, on every replica: sum the replicas' gradients now, in place,
         so that ``param.grad`` holds the global batch's gradient before ``step()`` (which then
         does not sum again): to clip, inspect or log it. torch's ``clip_grad_norm_`` and
         ``clip_grad_value_`` call it themselves on a mirrored optimizer's parameters. Where
-        gradients are summed during backward (multi-worker) or not at all (local SGD's local
-        updates), nothing to do; after ``step()``, before the next backward, they are summed
-        already."""
+        gradients are summed during backward (multi-worker), nothing to do; before a local SGD
+        update, each replica's gradient is made its shard's mean (what the update uses); after
+        ``step()``, before the next backward, they are what the update used already."""
         replica = _replica_context_of(self._strategy)
         if replica is None:
             raise RuntimeError("all_reduce_gradients() belongs inside strategy.run(), as step()")
         replica_id = replica.local_replica_id
-        if replica.backward_passes == 0 and self._summed_at_step[replica_id] is not None:
+        if replica.backward_passes == 0 and self._after_update[replica_id] is not None:
             self._gradients_of_last_update(replica)
             return
-        if (
-            self._reducer is not None
-            or replica.num_replicas_in_sync == 1
-            or self._reduced_early[replica_id]
-            or (self._local is not None and self._local.local(replica_id))
-        ):
+        if replica.num_replicas_in_sync == 1 or self._reduced_early[replica_id]:
+            return
+        local = self._local is not None and self._local.local(replica_id)
+        if not local and self._reducer is not None:
             return
         if self._window is not None or (self._zero is not None and self._zero.stage == 2):
             raise ValueError(
@@ -432,6 +431,10 @@ class MirroredOptimizer(torch.optim.Optimizer):
                 "gradient_accumulation_steps > 1 or zero_stage=2, where step() sums them its "
                 "own way; clip with an optimizer that clips, or leave those options off"
             )
+        if local:  # the local update's gradient: its shard's mean
+            self._scale_gradients(replica_id, replica.num_replicas_in_sync)
+            self._reduced_early[replica_id] = True
+            return
         _check_dense(self._params[replica_id])
         grads = [p.grad for p in self._params[replica_id]]
         self._all_reduce_gradients(replica, self._open_step(replica, grads), in_place=True)
@@ -442,13 +445,13 @@ class MirroredOptimizer(torch.optim.Optimizer):
         owners' sums to this replica's gradients (a collective), so that every replica holds
         the global batch's gradient again."""
         replica_id = replica.local_replica_id
-        if self._summed_at_step[replica_id] == _SUMMED_BY_OWNERS:
+        if self._after_update[replica_id] == _ON_OWNERS:
             assert self._sharded is not None
             grads = [p.grad for p in self._params[replica_id]]
             everyone = replica.exchange.all("all_reduce_gradients: the owners' sums", grads)
             self._sharded.copy_owned_gradients(replica_id, everyone)
             replica.exchange.barrier("all_reduce_gradients: the owners' sums copied")
-            self._summed_at_step[replica_id] = _SUMMED_EVERYWHERE
+            self._after_update[replica_id] = _AS_USED
 
     def holds_any(self, replica_id: int, tensor_ids: set[int]) -> bool:
         """Whether any of ``tensor_ids`` is a parameter of replica ``replica_id`` or the
@@ -551,7 +554,11 @@ class MirroredOptimizer(torch.optim.Optimizer):
         ``period`` updates, the mean of every replica's parameters (:mod:`mirrored.local_sgd`)."""
         replica_id = replica.local_replica_id
         window_scale = 1.0 if self._window is None else self._window.scale
-        self._scale_gradients(replica_id, replica.num_replicas_in_sync * window_scale)
+        if self._reduced_early[replica_id]:  # all_reduce_gradients() scaled them already
+            self._reduced_early[replica_id] = False
+        else:
+            self._scale_gradients(replica_id, replica.num_replicas_in_sync * window_scale)
+        self._after_update[replica_id] = _AS_USED
         if len(self.optimizers) > 1:
             self._open_step(replica)
         result = self.optimizers[replica_id].step()
@@ -570,7 +577,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
         optimizer = self.optimizers[replica_id]
         if self._window is not None:  # the window's mean, before any replica sums it
             self._scale_gradients(replica_id, self._window.scale)
-        summed: str | None = _SUMMED_EVERYWHERE
+        summed: str | None = _AS_USED
         if self._reduced_early[replica_id]:  # all_reduce_gradients() opened the step
             self._reduced_early[replica_id] = False
         elif replica.num_replicas_in_sync > 1:
@@ -583,10 +590,10 @@ class MirroredOptimizer(torch.optim.Optimizer):
                 summed = None  # each replica holds its share
             elif self._sharded is not None:
                 self._sharded.reduce_gradients(replica_id, everyone)
-                summed = _SUMMED_BY_OWNERS
+                summed = _ON_OWNERS
             else:
                 self._all_reduce_gradients(replica, everyone)
-        self._summed_at_step[replica_id] = summed
+        self._after_update[replica_id] = summed
         if replica.num_replicas_in_sync > 1 and self._running_stats[replica_id]:
             self._average_running_stats(replica)
         if self._zero is not None:
@@ -662,14 +669,14 @@ class MirroredOptimizer(torch.optim.Optimizer):
             if self._window is None or not self._window.holding(replica_id):
                 self.optimizers[replica_id].zero_grad(set_to_none=set_to_none)
                 self._reduced_early[replica_id] = False
-                self._summed_at_step[replica_id] = None
+                self._after_update[replica_id] = None
 
     def resync(self) -> None:
         """Give every replica's optimizer replica 0's state (after a step that failed midway;
         with ``zero_stage``, every replica each owner's values of what it owns instead); an
         unfinished accumulation window is dropped with its gradients."""
         self._reduced_early = [False] * len(self.optimizers)
-        self._summed_at_step = [None] * len(self.optimizers)
+        self._after_update = [None] * len(self.optimizers)
         if self._window is not None:
             self._window.reset()
             for optimizer in self.optimizers:
@@ -718,8 +725,9 @@ class MirroredOptimizer(torch.optim.Optimizer):
             self._sharded.share_state()
 
 
-# Where an update left the gradients it summed: on every replica, or on each parameter's owner.
-_SUMMED_EVERYWHERE, _SUMMED_BY_OWNERS = "every replica", "owners"
+# How an update left the gradients it used: each replica's as it used them, or each parameter's
+# sum on its owner only (the others' are their own shares).
+_AS_USED, _ON_OWNERS = "as used", "on owners"
 # Live mirrored optimizers (not released) by creation (the order every replica visits them in),
 # and the original optimizers they were built from (an LR scheduler may be attached to one).
 _LIVE_OPTIMIZERS: weakref.WeakValueDictionary[int, MirroredOptimizer] = (
