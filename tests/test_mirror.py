@@ -358,6 +358,40 @@ def test_a_mirrored_optimizer_refuses_what_would_reach_one_replica(strategy):
     assert len(calls) == len(optimizer.optimizers)
 
 
+def test_state_dict_hooks_run_on_the_mirrored_optimizer(strategy):
+    module = make_mlp()
+    _, optimizer = strategy.mirror(module, torch.optim.Adam(module.parameters()))
+    calls = []
+
+    def tagged(optimizer, state):
+        calls.append(("after state_dict", optimizer))
+        return {**state, "tag": "mine"}
+
+    def untagged(optimizer, state):
+        calls.append(("before load", optimizer, state.get("tag")))
+        return {k: v for k, v in state.items() if k != "tag"}
+
+    handles = [
+        optimizer.register_state_dict_pre_hook(lambda o: calls.append(("before state_dict", o))),
+        optimizer.register_state_dict_post_hook(tagged),
+        optimizer.register_load_state_dict_pre_hook(untagged),
+        optimizer.register_load_state_dict_post_hook(lambda o: calls.append(("after load", o))),
+    ]
+    state = optimizer.state_dict()
+    assert state["tag"] == "mine"
+    optimizer.load_state_dict(state)
+    assert calls == [
+        ("before state_dict", optimizer),
+        ("after state_dict", optimizer),
+        ("before load", optimizer, "mine"),
+        ("after load", optimizer),
+    ]
+    for handle in handles:
+        handle.remove()
+    assert "tag" not in optimizer.state_dict()
+    assert len(calls) == 4
+
+
 def test_a_module_mirrored_twice_is_refused_until_released():
     with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as first:
         with mirrored.MirroredStrategy(["cpu:2", "cpu:3"]) as second:

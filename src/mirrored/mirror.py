@@ -20,12 +20,14 @@ from __future__ import annotations
 import copy
 import itertools
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from mirrored import torch_compat
 from mirrored.batch_norm import convert_sync_batch_norm, running_stat_buffers
@@ -283,6 +285,11 @@ class MirroredOptimizer(torch.optim.Optimizer):
         running_stats: Sequence[Sequence[torch.Tensor]],
     ) -> None:
         # torch.optim.Optimizer.__init__ is not called: the replicas' optimizers hold the state.
+        # Its state-dict hooks are this optimizer's own (its state_dict() is not replica 0's
+        # with zero_stage, and the replicas' are read and loaded to resync them).
+        self._hooks: dict[str, OrderedDict[int, Callable[..., Any]]] = {
+            name: OrderedDict() for name in _STATE_DICT_HOOKS
+        }
         self._strategy = strategy
         self.released = False
         self.optimizers = tuple(optimizers)
@@ -366,6 +373,50 @@ class MirroredOptimizer(torch.optim.Optimizer):
     def register_step_post_hook(self, hook: Callable[..., Any]) -> _Handles:  # type: ignore[override]
         """``hook`` on every replica's optimizer (called with that replica's optimizer)."""
         return _Handles([o.register_step_post_hook(hook) for o in self.optimizers])
+
+    def register_state_dict_pre_hook(
+        self, hook: Callable[..., Any], prepend: bool = False
+    ) -> RemovableHandle:
+        """``hook(optimizer)`` before each ``state_dict()`` of this mirrored optimizer."""
+        return self._register("state_dict_pre", hook, prepend)
+
+    def register_state_dict_post_hook(
+        self, hook: Callable[..., Any], prepend: bool = False
+    ) -> RemovableHandle:
+        """``hook(optimizer, state_dict)`` after each ``state_dict()``; a dict it returns is
+        the state dict."""
+        return self._register("state_dict_post", hook, prepend)
+
+    def register_load_state_dict_pre_hook(
+        self, hook: Callable[..., Any], prepend: bool = False
+    ) -> RemovableHandle:
+        """``hook(optimizer, state_dict)`` before each ``load_state_dict()``; a dict it returns
+        is loaded instead."""
+        return self._register("load_state_dict_pre", hook, prepend)
+
+    def register_load_state_dict_post_hook(
+        self, hook: Callable[..., Any], prepend: bool = False
+    ) -> RemovableHandle:
+        """``hook(optimizer)`` after each ``load_state_dict()`` (into every replica)."""
+        return self._register("load_state_dict_post", hook, prepend)
+
+    def _register(self, kind: str, hook: Callable[..., Any], prepend: bool) -> RemovableHandle:
+        hooks = self._hooks[kind]
+        handle = RemovableHandle(hooks)
+        hooks[handle.id] = hook
+        if prepend:
+            hooks.move_to_end(handle.id, last=False)
+        return handle
+
+    def _run_hooks(self, kind: str, *args: Any) -> Any:
+        """Each ``kind`` hook with this optimizer (and the state dict, which one may replace);
+        returns the state dict."""
+        state = args[0] if args else None
+        for hook in list(self._hooks[kind].values()):
+            result = hook(self, *([state] if args else []))
+            if result is not None:
+                state = result
+        return state
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         raise TypeError(
@@ -709,22 +760,31 @@ class MirroredOptimizer(torch.optim.Optimizer):
         """The plain single-optimizer state (replica 0's; all replicas are identical). With
         ``zero_stage`` it is gathered from the owners of the parameters; across workers that
         is a collective: call it on every worker at the same point."""
-        if self._zero is not None:
-            return self._zero.state_dict()
-        return self.optimizers[0].state_dict()
+        self._run_hooks("state_dict_pre")
+        state = self.optimizers[0].state_dict() if self._zero is None else self._zero.state_dict()
+        return self._run_hooks("state_dict_post", state)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load the same state into every replica's optimizer (moved to its device); with
         ``zero_stage``, each replica keeps the state of the parameters it owns."""
+        state_dict = self._run_hooks("load_state_dict_pre", state_dict)
         if self._zero is not None:
             self._zero.load_state_dict(state_dict)
-            return
-        for optimizer in self.optimizers:
-            load_own_copy(optimizer, state_dict)
-        if self._sharded is not None:
-            self._sharded.share_state()
+        else:
+            for optimizer in self.optimizers:
+                load_own_copy(optimizer, state_dict)
+            if self._sharded is not None:
+                self._sharded.share_state()
+        self._run_hooks("load_state_dict_post")
 
 
+# The kinds of state-dict hooks a mirrored optimizer keeps (torch.optim.Optimizer's).
+_STATE_DICT_HOOKS = (
+    "state_dict_pre",
+    "state_dict_post",
+    "load_state_dict_pre",
+    "load_state_dict_post",
+)
 # How an update left the gradients it used: each replica's as it used them, or each parameter's
 # sum on its owner only (the others' are their own shares).
 _AS_USED, _ON_OWNERS = "as used", "on owners"
