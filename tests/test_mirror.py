@@ -392,6 +392,31 @@ def test_state_dict_hooks_run_on_the_mirrored_optimizer(strategy):
     assert len(calls) == 4
 
 
+def test_a_grad_scaler_in_replicas_is_refused_with_what_to_use(strategy):
+    module = make_mlp()
+    before = copy.deepcopy(module.state_dict())
+    model, optimizer = strategy.mirror(module, torch.optim.SGD(module.parameters(), lr=0.1))
+    (batch,) = strategy.experimental_distribute_dataset(make_batches()[:1])
+
+    def step(batch, scaler):
+        x, y = batch
+        loss = mirrored.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"))
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(optimizer)
+        optimizer.zero_grad()
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    with pytest.raises(TypeError, match=r"GradScaler.*replica 0's.*precision='16-mixed'"):
+        strategy.run(step, (batch, scaler))
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name
+    strategy.run(step, (batch, torch.amp.GradScaler("cpu", enabled=False)))  # a no-op scaler
+    x, y = make_batches()[0]  # outside replicas torch's scaler is untouched
+    assert torch.amp.GradScaler("cpu").scale(F.cross_entropy(module(x), y)).item() > 1
+
+
 def test_a_module_mirrored_twice_is_refused_until_released():
     with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as first:
         with mirrored.MirroredStrategy(["cpu:2", "cpu:3"]) as second:

@@ -304,6 +304,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
         _ORIGINAL_OPTIMIZERS.add(optimizers[0])
         torch_compat.route_gradient_clipping(_reduce_before_clipping)
         torch_compat.route_scheduler_steps(_stepped_by_first_replica)
+        torch_compat.route_grad_scaling(_refuse_grad_scaler_in_replicas)
         self._params = [list(p) for p in params]
         self._running_stats = [list(b) for b in running_stats]
         self._packed: list[dict[tuple[bool, ...], PackedTensors]] = [{} for _ in optimizers]
@@ -830,6 +831,27 @@ def holds_any(params: Iterable[nn.Parameter], tensor_ids: set[int]) -> bool:
     return any(
         id(p) in tensor_ids or (p.grad is not None and id(p.grad) in tensor_ids) for p in params
     )
+
+
+def _refuse_grad_scaler_in_replicas(scaler: Any) -> None:
+    """A ``TypeError`` for an enabled ``torch.amp.GradScaler`` scaling a loss inside a run with
+    several replicas in this process (its per-optimizer state is shared by their threads, and
+    it unscales replica 0's gradients only), or on a strategy whose gradients come at
+    ``step()``."""
+    replica = current_replica_context()
+    if replica is None or not scaler.is_enabled():
+        return
+    strategy = replica.strategy
+    if replica.exchange.num_replicas > 1 or not strategy.gradients_after_backward:
+        raise TypeError(
+            f"torch.amp.GradScaler inside strategy.run of {type(strategy).__name__} with "
+            f"{replica.exchange.num_replicas} replica(s) here: one scaler's state is shared by "
+            "the replicas' threads, and its unscale_() and step() reach replica 0's gradients "
+            "only, so the update would not be one device's. Train with mirrored.Model's "
+            "compile(precision='16-mixed') (one loss scale for every replica; an overflow on "
+            "any skips the update on all), or autocast to torch.bfloat16, which needs no loss "
+            "scaling"
+        )
 
 
 def _refuse(name: str) -> None:

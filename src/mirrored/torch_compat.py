@@ -18,7 +18,9 @@ parameters to the module's ``_clip_grads_with_norm_``: wrappers there (and aroun
 functions, for callers that look them up at the call) let the mirrored optimizers sum the
 replicas' gradients first, in place, so that the clipping sees the global batch's gradient, or
 refuse where that cannot be done (a pipeline's parameters, whose gradients come at ``step()``).
-LR schedulers stepped inside replicas would advance once per replica: the ``step`` methods of
+``torch.amp.GradScaler`` keeps one state per optimizer, which the replicas' threads would share:
+its ``scale`` is wrapped so that a caller may refuse it there, before anything changes. LR
+schedulers stepped inside replicas would advance once per replica: the ``step`` methods of
 torch's and of every other subclass of its ``LRScheduler`` (defined before or after) are wrapped
 so that a caller may skip them there.
 
@@ -46,6 +48,7 @@ import torch.utils.checkpoint
 __all__ = [
     "refusing_in_replicas",
     "route_checkpoint_recomputes",
+    "route_grad_scaling",
     "route_gradient_clipping",
     "route_scheduler_steps",
     "route_steps_of_subclasses",
@@ -319,3 +322,21 @@ def _route_step(cls: type, skip: Callable[[Any], bool]) -> None:
 
     step._mirrored_routed = True  # type: ignore[attr-defined]
     cls.step = step  # type: ignore[attr-defined]
+
+
+def route_grad_scaling(check: Callable[[Any], None]) -> None:
+    """From now on, ``torch.amp.GradScaler.scale`` calls ``check(scaler)`` first (once a
+    process; subclasses that do not define their own ``scale`` included)."""
+
+    def install() -> None:
+        scaler = torch.amp.grad_scaler.GradScaler
+        original = scaler.scale
+
+        @functools.wraps(original)
+        def scale(self: Any, outputs: Any) -> Any:
+            check(self)
+            return original(self, outputs)
+
+        scaler.scale = scale  # type: ignore[method-assign]
+
+    _once("grad_scaler", install)
