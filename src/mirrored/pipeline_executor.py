@@ -28,7 +28,12 @@ from mirrored.config import LogicalDevice
 from mirrored.device_runtime import ReplicaDeviceRuntime
 from mirrored.pipeline_schedule import Action, StageState, next_action
 from mirrored.randomness import ReplicaRandomness, StepSeed
-from mirrored.rendezvous import Rendezvous, ReplicaAbortedError, SyncTimeoutError
+from mirrored.rendezvous import (
+    Rendezvous,
+    ReplicaAbortedError,
+    SyncTimeoutError,
+    caused_by_timeout,
+)
 from mirrored.strategy import add_note
 from mirrored.values import flatten, map_structure
 
@@ -227,7 +232,7 @@ class StageExecutor:
         left to finish, and what it produces is dropped (it belongs to no run)."""
         with self._cond:
             run, self._run = self._run, None  # nothing more is scheduled
-            timed_out = run is not None and _timed_out(run.rendezvous)
+            timed_out = run is not None and caused_by_timeout(run.rendezvous.abort_reason)
             while self._busy and not timed_out:
                 if deadline is not None and time.monotonic() > deadline:
                     break
@@ -439,14 +444,6 @@ class StageExecutor:
                     self._activation_bytes -= saved.nbytes
         self.timeline.ops.append(OpRecord("B", key[0], key[1], start, time.perf_counter()))
         self._pipeline.backward_done(run, self.index, key, handoff)
-
-
-def _timed_out(rendezvous: Rendezvous) -> bool:
-    """The run failed on a timeout (or was released by one)."""
-    reason = rendezvous.abort_reason
-    return isinstance(reason, SyncTimeoutError) or isinstance(
-        getattr(reason, "__cause__", None), SyncTimeoutError
-    )
 
 
 def _leaf(value: Any) -> Any:

@@ -25,6 +25,7 @@ __all__ = [
     "ReplicaExchange",
     "SyncMismatchError",
     "SyncTimeoutError",
+    "caused_by_timeout",
 ]
 
 
@@ -38,6 +39,14 @@ class ReplicaAbortedError(RuntimeError):
 
 class SyncTimeoutError(TimeoutError):
     """A replica did not reach a sync point in time."""
+
+
+def caused_by_timeout(error: BaseException | None) -> bool:
+    """Whether ``error`` is a timeout, or a release caused by one: the replicas it waited for
+    have had their whole timeout."""
+    return isinstance(error, SyncTimeoutError) or isinstance(
+        getattr(error, "__cause__", None), SyncTimeoutError
+    )
 
 
 class Rendezvous:

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from mirrored.rendezvous import ReplicaAbortedError, SyncTimeoutError
+from mirrored.rendezvous import ReplicaAbortedError, SyncTimeoutError, caused_by_timeout
 
 __all__ = ["Outcome", "ReplicaWorkers"]
 
@@ -222,9 +222,6 @@ class ReplicaWorkers:
 
 
 def _timed_out(outcome: Outcome) -> bool:
-    """A replica failed on a timeout, or was released by one: the replicas it waited for have
-    had their whole timeout."""
+    """A replica failed on a timeout, or was released by one."""
     ok, value = outcome
-    return not ok and (
-        isinstance(value, SyncTimeoutError) or isinstance(value.__cause__, SyncTimeoutError)
-    )
+    return not ok and caused_by_timeout(value)

@@ -89,6 +89,31 @@ def _check_optimizer(
     source: str,
 ) -> None:
     kind = "optimizer" if builder is None else getattr(builder, "__name__", str(builder))
+    _check_layout(state_dict, source)
+    saved_groups = state_dict["param_groups"]
+    _check_groups(builder, kind, groups, saved_groups, source)
+    params = {
+        saved_id: (g, param)
+        for g, (group, saved) in enumerate(zip(groups, saved_groups, strict=True))
+        for saved_id, param in zip(saved["params"], group["params"], strict=True)
+    }
+    kept: dict[tuple[int, int], dict[str, str | None] | None] = {}
+    for saved_id, entry in state_dict["state"].items():
+        if saved_id not in params:
+            listed = list(chain.from_iterable(g["params"] for g in saved_groups))
+            raise ValueError(
+                f"{source}: the optimizer state has state for parameter {saved_id!r}, which no "
+                f"parameter group lists ({listed})"
+            )
+        g, param = params[saved_id]
+        if (g, param.dim()) not in kept:
+            kept[g, param.dim()] = _kept_state(builder, groups[g], param)
+        where = f"{source}: optimizer state for parameter {saved_id}"
+        _check_parameter_state(kind, kept[g, param.dim()], entry, param, where)
+
+
+def _check_layout(state_dict: Any, source: str) -> None:
+    """A ValueError unless ``state_dict`` is laid out as a torch optimizer's."""
     if (
         not isinstance(state_dict, Mapping)
         or not isinstance(state_dict.get("state"), Mapping)
@@ -103,7 +128,17 @@ def _check_optimizer(
             f"'state' and 'param_groups', each group with its 'params'); got "
             f"{_describe(state_dict)}"
         )
-    saved_groups = state_dict["param_groups"]
+
+
+def _check_groups(
+    builder: Callable[..., torch.optim.Optimizer] | None,
+    kind: str,
+    groups: Sequence[Mapping[str, Any]],
+    saved_groups: Sequence[Mapping[str, Any]],
+    source: str,
+) -> None:
+    """A ValueError unless the saved groups have the groups' sizes and, once loaded, every
+    hyperparameter they have."""
     sizes = [len(g["params"]) for g in groups]
     saved_sizes = [len(g["params"]) for g in saved_groups]
     if sizes != saved_sizes:
@@ -121,39 +156,28 @@ def _check_optimizer(
                 f"{where} has no {missing} ({_saved_by_hyperparameters(saved)}); the model's "
                 f"optimizer is {kind}"
             )
-    params = {
-        saved_id: (g, param)
-        for g, (group, saved) in enumerate(zip(groups, saved_groups, strict=True))
-        for saved_id, param in zip(saved["params"], group["params"], strict=True)
-    }
-    kept: dict[tuple[int, int], dict[str, str | None] | None] = {}
-    for saved_id, entry in state_dict["state"].items():
-        if saved_id not in params:
-            listed = list(chain.from_iterable(g["params"] for g in saved_groups))
+
+
+def _check_parameter_state(
+    kind: str,
+    rules: dict[str, str | None] | None,
+    entry: Any,
+    param: torch.Tensor,
+    where: str,
+) -> None:
+    """A ValueError unless ``entry``, one parameter's saved state, holds every entry of
+    ``rules`` (what this kind of optimizer keeps; None: unknown, unchecked), each fitting it."""
+    if not isinstance(entry, Mapping):
+        raise ValueError(f"{where} is {_describe(entry)}, not a dict of its state")
+    for key, rule in (rules or {}).items():
+        if key not in entry:
             raise ValueError(
-                f"{source}: the optimizer state has state for parameter {saved_id!r}, which no "
-                f"parameter group lists ({listed})"
+                f"{where} has no {key!r} ({_saved_by_state(entry)}); the model's optimizer "
+                f"is {kind}"
             )
-        g, param = params[saved_id]
-        where = f"{source}: optimizer state for parameter {saved_id}"
-        if not isinstance(entry, Mapping):
-            raise ValueError(f"{where} is {_describe(entry)}, not a dict of its state")
-        if (g, param.dim()) not in kept:
-            kept[g, param.dim()] = _kept_state(builder, groups[g], param)
-        rules = kept[g, param.dim()]
-        if rules is None:  # an optimizer that cannot be probed: its entries go unchecked
-            continue
-        for key, rule in rules.items():
-            if key not in entry:
-                raise ValueError(
-                    f"{where} has no {key!r} ({_saved_by_state(entry)}); the model's optimizer "
-                    f"is {kind}"
-                )
-            problem = _breaks(rule, entry[key], param)
-            if problem:
-                raise ValueError(
-                    f"{where}: {key!r} is {problem}; the model's {kind} expects {rule}"
-                )
+        problem = _breaks(rule, entry[key], param)
+        if problem:
+            raise ValueError(f"{where}: {key!r} is {problem}; the model's {kind} expects {rule}")
 
 
 def first_non_finite(state_dict: Mapping[str, Any]) -> str | None:
