@@ -4,7 +4,8 @@ input on an exponential moving average of the batch means (TensorFlow's
 reinforcement learning code do. Under MirroredStrategy each replica updates its copy from its
 shard; after each step the floating average is averaged over the replicas (with shards of equal
 size, the mean of the shard means is the global batch's mean) and the counter, which every
-replica advances alike, is left as it is: the run equals one device's.
+replica advances alike, is left as it is, with one warning that names it and says how to
+state that choice: the run equals one device's.
 """
 
 from __future__ import annotations
@@ -55,9 +56,11 @@ def test_moving_average_and_counter_follow_one_device(num_devices, in_place):
     train_plain(expected, torch.optim.SGD(expected.parameters(), lr=0.1), batches)
     module = CentredMLP(in_place)
     with mirrored.MirroredStrategy([f"cpu:{i}" for i in range(num_devices)]) as strategy:
-        model, _, _ = train_mirrored(
-            strategy, module, torch.optim.SGD(module.parameters(), lr=0.1), batches
-        )
+        with pytest.warns(mirrored.BufferAggregationWarning, match="'num_updates'") as warned:
+            model, _, _ = train_mirrored(
+                strategy, module, torch.optim.SGD(module.parameters(), lr=0.1), batches
+            )
+        assert len(warned) == 1  # once, not every step
         assert_replicas_identical(model)
     assert module.num_updates.item() == len(batches)
     assert_same_parameters(expected, module)  # buffers included
@@ -71,9 +74,10 @@ def test_the_average_is_used_by_evaluation_on_the_mirrored_model():
     module = CentredMLP(in_place=True)
     x, y = batches[0]
     with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
-        model, _, _ = train_mirrored(
-            strategy, module, torch.optim.SGD(module.parameters(), lr=0.1), batches
-        )
+        with pytest.warns(mirrored.BufferAggregationWarning, match="'num_updates'"):
+            model, _, _ = train_mirrored(
+                strategy, module, torch.optim.SGD(module.parameters(), lr=0.1), batches
+            )
         model.eval()
         with torch.no_grad():
             loss = F.cross_entropy(model(x), y)
