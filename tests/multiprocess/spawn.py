@@ -2,30 +2,37 @@
 
 Each worker gets torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT) or a
 TF_CONFIG, one torch thread, and its own session, so that a test can kill every process it
-started, and does so whatever happens.
+started, and does so whatever happens. The jobs' workers are forked by ``fork_server`` (torch
+imported once for the session, not once per worker); other programs start as fresh interpreters.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import functools
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from tests.multiprocess.fork_server import RUN_TIME_VARIABLES, ForkedProcess, ForkServer
+
 REPO = Path(__file__).resolve().parents[2]
+JOBS_MODULE = "tests.multiprocess.jobs"
 
 
 @dataclasses.dataclass
 class Worker:
     rank: int
-    process: subprocess.Popen[str]
+    process: subprocess.Popen[str] | ForkedProcess
     env: dict[str, str]
     output: str = ""
 
@@ -108,16 +115,19 @@ def start_workers(
     logical_devices: int = 1,
     cluster: str = "torchrun",
     env: dict[int, dict[str, str]] | None = None,
+    ranks: Sequence[int] | None = None,
 ) -> list[Worker]:
+    """Workers of ``job`` in a cluster of ``num_workers``: all of them, or only ``ranks`` (the
+    others never start)."""
     port = free_port()
-    command = [sys.executable, "-m", "tests.multiprocess.jobs", job, str(out), *args]
+    command = [sys.executable, "-m", JOBS_MODULE, job, str(out), *args]
     return [
         start_process(
             command,
             worker_env(rank, num_workers, port, logical_devices, cluster, (env or {}).get(rank)),
             rank,
         )
-        for rank in range(num_workers)
+        for rank in (range(num_workers) if ranks is None else ranks)
     ]
 
 
@@ -129,7 +139,11 @@ def restart_worker(worker: Worker) -> Worker:
 
 def start_process(command: list[str], env: dict[str, str], rank: int = 0) -> Worker:
     """``command`` in the repository with ``env``, its output captured, in its own session
-    (so that ``kill_workers`` kills all it starts)."""
+    (so that ``kill_workers`` kills all it starts); a job forked where the server allows."""
+    if command[:3] == [sys.executable, "-m", JOBS_MODULE]:
+        server = _fork_server()
+        if server.can_start(env):
+            return Worker(rank, server.start(JOBS_MODULE, command[3:], env), env)
     process = subprocess.Popen(
         command,
         cwd=REPO,
@@ -140,6 +154,20 @@ def start_process(command: list[str], env: dict[str, str], rank: int = 0) -> Wor
         start_new_session=True,
     )
     return Worker(rank, process, env)
+
+
+@functools.cache
+def _fork_server() -> ForkServer:
+    """The session's fork server, in a worker's environment less what varies by worker; closed
+    when the session ends."""
+    folder = Path(tempfile.mkdtemp(prefix="mirrored-fork-server-"))
+    env = worker_env(0, 1, 0, 1, "torchrun")
+    server = ForkServer(
+        {k: v for k, v in env.items() if k not in RUN_TIME_VARIABLES}, REPO, folder / "socket"
+    )
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    atexit.register(server.close)
+    return server
 
 
 def wait_workers(workers: Sequence[Worker], timeout: float) -> list[Worker]:
