@@ -3,9 +3,9 @@
 ``python -m tests.multiprocess.fork_server SOCKET`` imports once what the test jobs import
 (torch, torch._dynamo, mirrored, scikit-learn: 4-6 s of CPU per process, most of a short job's
 cost on 2 cores), then forks a worker per request. The worker starts its own session, takes the
-request's environment, working directory and output pipe, and runs its module as ``python -m
-MODULE ARGS`` would: as ``__main__``, to the interpreter's own exit (an uncaught error prints its
-traceback and exits 1).
+request's environment, working directory and output pipe, and runs its program as ``python -m
+MODULE ARGS`` or ``python SCRIPT ARGS`` would: as ``__main__``, to the interpreter's own exit (an
+uncaught error prints its traceback and exits 1).
 
 Only variables that are read when a job runs may differ between a worker and the server
 (``RUN_TIME_VARIABLES``): anything else could have been read at import, so ``spawn`` starts a
@@ -56,9 +56,15 @@ RUN_TIME_VARIABLES = frozenset(
 _REAP_SECONDS = 0.02  # how often the server collects its workers' exit statuses
 
 
-def serve(path: str) -> tuple[str, list[str]]:
+def forkable(argv: Sequence[str]) -> bool:
+    """Whether ``python *argv`` runs a program the server can run: ``-m MODULE ARGS`` or
+    ``SCRIPT ARGS`` (no interpreter options, no ``-c``)."""
+    return len(argv) > 1 if argv[:1] == ["-m"] else bool(argv) and not argv[0].startswith("-")
+
+
+def serve(path: str) -> list[str]:
     """Fork a worker per request on ``path`` until standard input closes; return, in a worker
-    only, the module to run and its arguments."""
+    only, its interpreter arguments (``forkable``)."""
     before = dict(os.environ)
     for name in PRELOADED:
         importlib.import_module(name)
@@ -88,7 +94,7 @@ def serve(path: str) -> tuple[str, list[str]]:
                     other.close()
                 connection.close()
                 _become_worker(request, fds[0])
-                return request["module"], request["args"]
+                return request["argv"]
             os.close(fds[0])
             _tell(connection, pid)
             connections[pid] = connection
@@ -210,22 +216,22 @@ class ForkServer:
                 return False
         return True
 
-    def start(self, module: str, args: Sequence[str], env: dict[str, str]) -> ForkedProcess:
-        """``python -m module *args`` with ``env``, forked."""
+    def start(self, argv: Sequence[str], env: dict[str, str]) -> ForkedProcess:
+        """``python *argv`` (``forkable``) with ``env``, forked."""
+        assert forkable(argv), argv
         read, write = os.pipe()
         connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             connection.connect(str(self._path))
             request = {
-                "module": module,
-                "args": list(args),
+                "argv": list(argv),
                 "env": {**self._set_by_imports, **env},  # as the imports would leave it
                 "cwd": str(self.cwd),
             }
             socket.send_fds(connection, [json.dumps(request).encode()], [write])
         finally:
             os.close(write)
-        return ForkedProcess([sys.executable, "-m", module, *args], connection, read)
+        return ForkedProcess([sys.executable, *argv], connection, read)
 
     def close(self) -> None:
         assert self._server.stdin is not None and self._server.stdout is not None
@@ -235,9 +241,15 @@ class ForkServer:
 
 
 def main() -> None:
-    module, args = serve(sys.argv[1])
-    sys.argv = [module, *args]  # run_module puts the module's path first, as -m does
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    argv = serve(sys.argv[1])
+    if argv[0] == "-m":  # as python -m: sys.path[0] stays the working directory
+        sys.argv = argv[1:]  # run_module puts the module's path first
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:  # as python SCRIPT: the script's folder first on sys.path
+        path = os.path.abspath(argv[0])
+        sys.argv = [path, *argv[1:]]
+        sys.path[0] = os.path.dirname(path)
+        runpy.run_path(path, run_name="__main__")
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 
 Each worker gets torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT) or a
 TF_CONFIG, one torch thread, and its own session, so that a test can kill every process it
-started, and does so whatever happens. The jobs' workers are forked by ``fork_server`` (torch
-imported once for the session, not once per worker); other programs start as fresh interpreters.
+started, and does so whatever happens. Python programs are forked by ``fork_server`` (torch
+imported once for the session, not once per process) where their environment allows.
 """
 
 from __future__ import annotations
@@ -23,10 +23,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from tests.multiprocess.fork_server import RUN_TIME_VARIABLES, ForkedProcess, ForkServer
+from tests.multiprocess.fork_server import RUN_TIME_VARIABLES, ForkedProcess, ForkServer, forkable
 
 REPO = Path(__file__).resolve().parents[2]
-JOBS_MODULE = "tests.multiprocess.jobs"
 
 
 @dataclasses.dataclass
@@ -120,7 +119,7 @@ def start_workers(
     """Workers of ``job`` in a cluster of ``num_workers``: all of them, or only ``ranks`` (the
     others never start)."""
     port = free_port()
-    command = [sys.executable, "-m", JOBS_MODULE, job, str(out), *args]
+    command = [sys.executable, "-m", "tests.multiprocess.jobs", job, str(out), *args]
     return [
         start_process(
             command,
@@ -139,11 +138,12 @@ def restart_worker(worker: Worker) -> Worker:
 
 def start_process(command: list[str], env: dict[str, str], rank: int = 0) -> Worker:
     """``command`` in the repository with ``env``, its output captured, in its own session
-    (so that ``kill_workers`` kills all it starts); a job forked where the server allows."""
-    if command[:3] == [sys.executable, "-m", JOBS_MODULE]:
+    (so that ``kill_workers`` kills all it starts); a Python program forked where the server
+    can start it."""
+    if command[0] == sys.executable and forkable(command[1:]):
         server = _fork_server()
         if server.can_start(env):
-            return Worker(rank, server.start(JOBS_MODULE, command[3:], env), env)
+            return Worker(rank, server.start(command[1:], env), env)
     process = subprocess.Popen(
         command,
         cwd=REPO,
