@@ -20,9 +20,15 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import mirrored
 from mirrored import checkpoint
+from tests.multiprocess.spawn import (
+    Worker,
+    assert_all_succeeded,
+    program_env,
+    start_process,
+    wait_workers,
+)
 
 JOB = Path(__file__).with_name("backup_job.py")
-ROOT = Path(__file__).parents[2]
 
 
 class Crash(Exception):
@@ -226,14 +232,8 @@ def test_bad_arguments() -> None:
         mirrored.callbacks.BackupAndRestore("")
 
 
-def _job(backup_dir: Path, out: Path) -> subprocess.Popen[bytes]:
-    environment = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen(
-        [sys.executable, str(JOB), str(backup_dir), str(out), "2"],
-        env=environment,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
+def _job(backup_dir: Path, out: Path) -> Worker:
+    return start_process([sys.executable, str(JOB), str(backup_dir), str(out), "2"], program_env())
 
 
 @pytest.mark.slow
@@ -241,9 +241,7 @@ def test_sigkill_at_any_moment_then_rerun_ends_with_the_uninterrupted_weights(
     tmp_path: Path,
 ) -> None:
     reference = tmp_path / "reference.pt"
-    job = _job(tmp_path / "reference_backup", reference)
-    _, errors = job.communicate(timeout=240)
-    assert job.returncode == 0, errors.decode()
+    assert_all_succeeded(wait_workers([_job(tmp_path / "reference_backup", reference)], 240))
 
     backup_dir, out = tmp_path / "backup", tmp_path / "resumed.pt"
     backup_file = backup_dir / "backup.pt"
@@ -254,20 +252,18 @@ def test_sigkill_at_any_moment_then_rerun_ends_with_the_uninterrupted_weights(
         job = _job(backup_dir, out)
         deadline = time.monotonic() + 120
         # Wait until this run has written a backup of its own (it has made progress).
-        while job.poll() is None and time.monotonic() < deadline:
+        while job.process.poll() is None and time.monotonic() < deadline:
             if backup_file.exists() and backup_file.stat().st_mtime_ns != last_backup:
                 break
             time.sleep(0.01)
         time.sleep(chooser.uniform(0.0, 0.4))  # mid-epoch, mid-step or mid-backup
-        if job.poll() is None:
-            job.send_signal(signal.SIGKILL)
+        if job.process.poll() is None:
+            os.kill(job.process.pid, signal.SIGKILL)
             kills += 1
-        job.wait(timeout=60)
+        wait_workers([job], timeout=60)
     assert kills >= 2, "the job finished before it could be killed; slow it down"
     assert backup_file.exists()
-    job = _job(backup_dir, out)
-    _, errors = job.communicate(timeout=240)
-    assert job.returncode == 0, errors.decode()
+    assert_all_succeeded(wait_workers([_job(backup_dir, out)], 240))
 
     expected = torch.load(reference, weights_only=True)
     actual = torch.load(out, weights_only=True)

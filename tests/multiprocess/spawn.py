@@ -67,6 +67,15 @@ def cluster_ports(first: int, count: int) -> tuple[int, ...]:
             probe.close()
 
 
+def program_env(logical_devices: int = 1) -> dict[str, str]:
+    """A test program's environment: this process's, less any cluster, with one torch thread
+    and the repository importable."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "TF_CONFIG")}
+    env.update(OMP_NUM_THREADS="1", MIRRORED_TEST_LOGICAL_DEVICES=str(logical_devices))
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    return env
+
+
 def worker_env(
     rank: int,
     num_workers: int,
@@ -75,9 +84,7 @@ def worker_env(
     cluster: str,
     extra: dict[str, str] | None = None,
 ) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "TF_CONFIG")}
-    env.update(OMP_NUM_THREADS="1", MIRRORED_TEST_LOGICAL_DEVICES=str(logical_devices))
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    env = program_env(logical_devices)
     if cluster == "torchrun":
         env.update(
             RANK=str(rank),
@@ -161,7 +168,7 @@ def _fork_server() -> ForkServer:
     """The session's fork server, in a worker's environment less what varies by worker; closed
     when the session ends."""
     folder = Path(tempfile.mkdtemp(prefix="mirrored-fork-server-"))
-    env = worker_env(0, 1, 0, 1, "torchrun")
+    env = program_env()
     server = ForkServer(
         {k: v for k, v in env.items() if k not in RUN_TIME_VARIABLES}, REPO, folder / "socket"
     )
