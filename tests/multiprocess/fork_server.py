@@ -54,6 +54,7 @@ RUN_TIME_VARIABLES = frozenset(
     }
 )
 _REAP_SECONDS = 0.02  # how often the server collects its workers' exit statuses
+_READY = "fork server ready:"  # then what the imports set in the environment, as JSON
 
 
 def forkable(argv: Sequence[str]) -> bool:
@@ -76,7 +77,7 @@ def serve(path: str) -> list[str]:
     # (1 s of CPU at every exit), need not walk them (as the gc module's documentation advises
     # for a process that forks without exec).
     gc.freeze()
-    print(json.dumps(set_by_imports), flush=True)  # ready
+    print(_READY, json.dumps(set_by_imports), flush=True)
     connections: dict[int, socket.socket] = {}
     while True:
         readable, _, _ = select.select([listener, sys.stdin], [], [], _REAP_SECONDS)
@@ -193,21 +194,18 @@ class ForkServer:
             text=True,
         )
         assert self._server.stdout is not None
-        line = self._server.stdout.readline()
-        try:
-            # What the imports set themselves (scikit-learn's KMP_* variables, for one).
-            self._set_by_imports: dict[str, str] = json.loads(line)
-        except json.JSONDecodeError:
-            raise RuntimeError(
-                f"the fork server did not start:\n{line}{self._server.stdout.read()}"
-            ) from None
+        printed = []  # before the ready line: the imports' warnings, if any
+        while not (line := self._server.stdout.readline()).startswith(_READY):
+            if not line:
+                raise RuntimeError("the fork server did not start:\n" + "".join(printed))
+            printed.append(line)
+        # What the imports set themselves (scikit-learn's KMP_* variables, for one).
+        self._set_by_imports: dict[str, str] = json.loads(line[len(_READY) :])
 
     def can_start(self, env: dict[str, str]) -> bool:
         """Whether a worker with ``env`` sees at import what a fresh interpreter would: the
         server's variables, but for ``RUN_TIME_VARIABLES`` and for those the imports set (a
         worker may already have them, from the test's own imports, with the same values)."""
-        if self._server.poll() is not None:
-            return False
         for name in (env.keys() | self.env.keys()) - RUN_TIME_VARIABLES:
             allowed = {self.env.get(name)}
             if name in self._set_by_imports:
@@ -219,19 +217,29 @@ class ForkServer:
     def start(self, argv: Sequence[str], env: dict[str, str]) -> ForkedProcess:
         """``python *argv`` (``forkable``) with ``env``, forked."""
         assert forkable(argv), argv
+        connection = self._connect()
+        request = {
+            "argv": list(argv),
+            "env": {**self._set_by_imports, **env},  # as the imports would leave it
+            "cwd": str(self.cwd),
+        }
         read, write = os.pipe()
-        connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            connection.connect(str(self._path))
-            request = {
-                "argv": list(argv),
-                "env": {**self._set_by_imports, **env},  # as the imports would leave it
-                "cwd": str(self.cwd),
-            }
             socket.send_fds(connection, [json.dumps(request).encode()], [write])
         finally:
             os.close(write)
         return ForkedProcess([sys.executable, *argv], connection, read)
+
+    def _connect(self) -> socket.socket:
+        connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            connection.connect(str(self._path))
+        except OSError as error:
+            connection.close()
+            self._server.kill()
+            output = self._server.communicate()[0]
+            raise RuntimeError(f"the fork server is gone ({error}):\n{output}") from None
+        return connection
 
     def close(self) -> None:
         assert self._server.stdin is not None and self._server.stdout is not None
