@@ -53,7 +53,10 @@ faster).
 Run from the repository root (about 12-15 minutes a round on 2 shared cores):
 ``.venv/bin/python benchmarks/seed_bert.py [--data wikitext-2] [--json PATH]``; ``--epochs``,
 ``--steps-per-epoch``, ``--rounds``, ``--sides``, ``--no-tf``, ``--max-predictions``,
-``--vocab-size``, ``--seq-len``, ``--batch-size``, ``--seed``.
+``--vocab-size``, ``--seq-len``, ``--batch-size``, ``--seed``. ``--device cuda`` runs the PyTorch
+sides on the first GPU (mirrored-N on N logical devices of it; a step ends when the GPU has
+finished it) and leaves TensorFlow out: where kernels take microseconds, what is left of a step
+is host work, which N replica threads of one process share under one GIL.
 """
 
 from __future__ import annotations
@@ -115,6 +118,7 @@ class Job:
     learning_rate: float
     shuffle_buffer: int
     seed: int
+    device: str  # the PyTorch sides': "cpu", or "cuda" (the first GPU)
 
     @property
     def total_steps(self) -> int:
@@ -137,9 +141,11 @@ class Job:
 
 
 class StepLog:
-    """Timestamps (``time.perf_counter``) of epoch begins and of each step's begin and end."""
+    """Timestamps (``time.perf_counter``) of epoch begins and of each step's begin and end; on a
+    GPU a step ends when the device has finished its work."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: str = "cpu") -> None:
+        self.device = device
         self.epoch_begins: list[float] = []
         self.steps: list[tuple[int, float, float]] = []  # (epoch, begin, end)
         self._begin = 0.0
@@ -151,6 +157,8 @@ class StepLog:
         self._begin = time.perf_counter()
 
     def batch_end(self) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
         self.steps.append((len(self.epoch_begins) - 1, self._begin, time.perf_counter()))
 
     def record(self, fit_seconds: float, **details: Any) -> dict[str, Any]:
@@ -185,19 +193,22 @@ class MirroredStepLog(mirrored.callbacks.Callback):
 def run_plain(job: Job) -> dict[str, Any]:
     torch.manual_seed(job.seed)
     batches = job.torch_batches()
-    model = BertMaskedLM(job.model_vocab_size, job.seq_len)
+    device = torch.device(job.device)
+    model = BertMaskedLM(job.model_vocab_size, job.seq_len).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=job.learning_rate)
     schedule = torch.optim.lr_scheduler.PolynomialLR(
         optimizer, total_iters=job.total_steps, power=1.0
     )
     model.train()
-    log, loss = StepLog(), torch.zeros(())
-    correct, counted = torch.zeros(()), torch.zeros(())
+    log, loss = StepLog(job.device), torch.zeros(())
+    correct, counted = torch.zeros((), device=device), torch.zeros((), device=device)
     start = time.perf_counter()
     for _ in range(job.epochs):
         log.epoch_begin()
         for x, labels, weights in batches:
             log.batch_begin()
+            x = {key: value.to(device, non_blocking=True) for key, value in x.items()}
+            labels, weights = labels.to(device), weights.to(device)
             logits = model(**x)
             losses = F.cross_entropy(logits.transpose(1, 2), labels, reduction="none")
             loss = (losses * weights).sum() / weights.numel()  # Keras's sum_over_batch_size
@@ -221,7 +232,8 @@ def run_plain(job: Job) -> dict[str, Any]:
 def run_mirrored(job: Job, num_devices: int) -> dict[str, Any]:
     from mirrored.examples.devices import logical_devices
 
-    devices = logical_devices(config.list_physical_devices("CPU")[0], num_devices)
+    kind = "GPU" if job.device == "cuda" else "CPU"
+    devices = logical_devices(config.list_physical_devices(kind)[0], num_devices)
     torch.manual_seed(job.seed)
     batches = job.torch_batches()
     with mirrored.MirroredStrategy(devices) as strategy:
@@ -235,7 +247,7 @@ def run_mirrored(job: Job, num_devices: int) -> dict[str, Any]:
                 loss=mirrored.losses.SparseCategoricalCrossentropy(from_logits=True),
                 weighted_metrics=["accuracy"],
             )
-        log = StepLog()
+        log = StepLog(job.device)
         start = time.perf_counter()
         history = model.fit(batches, epochs=job.epochs, callbacks=[MirroredStepLog(log)], verbose=0)
         seconds = time.perf_counter() - start
@@ -368,6 +380,7 @@ def prepare(args: argparse.Namespace, folder: Path) -> Job:
         learning_rate=1e-4,
         shuffle_buffer=500,
         seed=args.seed,
+        device=args.device,
     )
     (folder / "job.json").write_text(json.dumps(dataclasses.asdict(job)))
     source = "WikiText-2" if args.data else "CPython's pydoc topics"
@@ -476,6 +489,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--no-tf", action="store_true", help=f"leave {KERAS_SIDE} out")
     parser.add_argument("--seed", type=int, default=0, help="default %(default)s")
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="the PyTorch sides' device: cuda runs mirrored-N on N logical devices of the first "
+        f"GPU (and leaves {KERAS_SIDE} out: it runs on the CPU); default %(default)s",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)  # a side's process
     parser.add_argument("--job", type=Path, help=argparse.SUPPRESS)
@@ -500,8 +520,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     machine = machine_description()
     print(", ".join(f"{key}: {value}" for key, value in machine.items()))
     sides = list(args.sides)
-    if KERAS_SIDE in sides and (args.no_tf or tensorflow_missing()):
-        why = "--no-tf" if args.no_tf else f"{tensorflow_missing()} not installed"
+    if KERAS_SIDE in sides and (args.no_tf or args.device != "cpu" or tensorflow_missing()):
+        why = (
+            "--no-tf"
+            if args.no_tf
+            else f"--device {args.device}"
+            if args.device != "cpu"
+            else f"{tensorflow_missing()} not installed"
+        )
         print(f"{KERAS_SIDE}: left out ({why}; pip install -e '.[tensorflow]' to run it)")
         sides.remove(KERAS_SIDE)
     with tempfile.TemporaryDirectory(prefix="seed-bert-") as folder:
