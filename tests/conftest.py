@@ -69,10 +69,26 @@ def fresh_config() -> Iterator[None]:
     config._reset_for_tests()
     yield
     config._reset_for_tests()
+    _forget_gpu_memory()
     config.set_logical_device_configuration(
         config.list_physical_devices("CPU")[0],
         [config.LogicalDeviceConfiguration()] * NUM_LOGICAL_CPUS,
     )
+
+
+def _forget_gpu_memory() -> None:
+    """What a test's logical GPUs leave in the process, gone before the next test splits the GPU
+    afresh: the memory cap of their limits, and the memory the test's objects and streams held
+    (cuBLAS keeps a workspace per stream until told to drop them), which counts against the next
+    test's cap."""
+    if not torch.cuda.is_initialized():
+        return
+    gc.collect()
+    torch.cuda.synchronize()
+    torch._C._cuda_clearCublasWorkspaces()
+    torch.cuda.empty_cache()
+    for index in range(torch.cuda.device_count()):
+        torch.cuda.set_per_process_memory_fraction(1.0, index)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
