@@ -43,9 +43,9 @@ from mirrored.training import saved_state
 from mirrored.training.data_adapter import DataAdapter, _is_array_structure
 from mirrored.training.layers import Layer, find_layer
 from mirrored.training.loss_scale import LossScale
+from mirrored.training.metric_set import MetricSet
 from mirrored.training.steps import (
     PRECISIONS,
-    MetricSet,
     Steps,
     call_module,
     cast_images,
@@ -448,9 +448,9 @@ class Model:
             yield group
 
     def _merge(self, state: Any) -> None:
-        """Add the replicas' partial sums to the metrics (one host copy per execution)."""
-        total = self._local_strategy.reduce(ReduceOp.SUM, state, axis=None)
-        self._compiled().metrics.merge(total.cpu())
+        """Add the replicas' partial sums to the metrics' running total (on the device: no
+        host copy until a result is read)."""
+        self._compiled().metrics.add(self._local_strategy.reduce(ReduceOp.SUM, state, axis=None))
 
     def _logs(self, num_examples: int | None = None) -> dict[str, Any]:
         logs: dict[str, Any] = self._compiled().metrics.results()
@@ -610,7 +610,7 @@ class Model:
             step += len(group)
             self._iterations += len(group)
             self._position = {"epoch": epoch, "step": step, "consumed": data.consumed}
-            callback_list.on_train_batch_end(step - 1, self._logs(sum(sizes)))
+            callback_list.on_train_batch_end(step - 1, steps.metrics.batch_logs(sum(sizes)))
             if self.stop_training:
                 break
         if not ran and step == 0:
@@ -748,7 +748,7 @@ class Model:
                 callback_list.on_test_batch_begin(step)
                 self._merge(self._local_strategy.run(steps.test, args=(group,)))
                 step += len(group)
-                callback_list.on_test_batch_end(step - 1, self._logs())
+                callback_list.on_test_batch_end(step - 1, steps.metrics.batch_logs())
         finally:
             self._set_training(was_training)
         if step == 0:

@@ -32,13 +32,12 @@ from mirrored import losses as losses_module
 from mirrored.context import get_replica_context
 from mirrored.input import batch_size_of
 from mirrored.losses import broadcast_weight, compute_average_loss, scale_shard_mean
-from mirrored.metrics import Mean, Metric
 from mirrored.training.loss_scale import LossScale
+from mirrored.training.metric_set import MetricSet
 from mirrored.values import ReduceOp, flatten, map_structure
 
 __all__ = [
     "IGNORE_INDEX",
-    "MetricSet",
     "ShardLoss",
     "Steps",
     "Targets",
@@ -205,58 +204,6 @@ def to_device(structure: Any, device: torch.device) -> Any:
     )
 
 
-class MetricSet:
-    """The loss tracker and the compiled metrics, as one additive state vector."""
-
-    def __init__(self, metrics: Sequence[Metric], weighted: Sequence[Metric]) -> None:
-        self.loss = Mean(name="loss")
-        self.metrics = list(metrics)
-        self.weighted = list(weighted)
-
-    @property
-    def all(self) -> list[Metric]:
-        return [self.loss, *self.metrics, *self.weighted]
-
-    def batch_state(self, loss: ShardLoss, targets: Targets, y_pred: Any) -> torch.Tensor:
-        """This shard's partial sums: [loss sum, its count, each metric's state...]."""
-        total = loss.total()
-        count = torch.as_tensor(loss.count, dtype=torch.float64, device=total.device)
-        parts = [torch.stack([total, count])]
-        if self.metrics or self.weighted:
-            if targets.y is None:
-                raise ValueError(
-                    "compile()'s metrics compare the predictions with targets, but the data "
-                    "yields none: pass y, or x as a dict carrying 'labels'"
-                )
-            y, predicted = targets.y, predictions(y_pred)
-            parts += [m.batch_state(y, predicted, sample_weight=targets.mask) for m in self.metrics]
-            parts += [
-                m.batch_state(y, predicted, sample_weight=targets.sample_weight)
-                for m in self.weighted
-            ]
-        return torch.cat([p.to(total.device) for p in parts])
-
-    def merge(self, state: torch.Tensor) -> None:
-        offset = 0
-        for metric in self.all:
-            metric.merge_state(state[offset : offset + metric.num_state])
-            offset += metric.num_state
-
-    def reset(self) -> None:
-        for metric in self.all:
-            metric.reset_state()
-
-    def results(self) -> dict[str, float]:
-        return {m.name: m.result() for m in self.all}
-
-    def state_dict(self) -> list[dict[str, Any]]:
-        return [m.state_dict() for m in self.all]
-
-    def load_state_dict(self, states: list[dict[str, Any]]) -> None:
-        for metric, state in zip(self.all, states, strict=True):
-            metric.load_state_dict(state)
-
-
 @dataclasses.dataclass
 class Steps:
     """The compiled pieces a replica function uses; built by ``Model.compile``."""
@@ -327,6 +274,16 @@ class Steps:
         per_example = values if values.dim() == 1 else values.flatten(1).mean(dim=1)
         return ShardLoss(per_example.sum(), count, is_mean=False)
 
+    def _batch_state(self, loss: ShardLoss, targets: Targets, y_pred: Any) -> torch.Tensor:
+        return self.metrics.batch_state(
+            loss.total(),
+            loss.count,
+            targets.y,
+            predictions(y_pred) if targets.y is not None else None,
+            targets.mask,
+            targets.sample_weight,
+        )
+
     # -- replica functions -------------------------------------------------------------------------
     def train(
         self,
@@ -370,7 +327,7 @@ class Steps:
             if updates and not skipped and first_replica and self.lr_scheduler is not None:
                 self.lr_scheduler.step()
             with torch.no_grad():
-                state = self.metrics.batch_state(shard_loss, targets, y_pred)
+                state = self._batch_state(shard_loss, targets, y_pred)
             total = state if total is None else total + state
         assert total is not None
         return total, loss_scale
@@ -397,7 +354,7 @@ class Steps:
                 x, y, sample_weight, y_pred = self._forward(batch)
                 targets = targets_of(x, y, sample_weight, shifts_labels(self.module))
                 shard_loss = self._shard_loss(x, targets, y_pred)
-                state = self.metrics.batch_state(shard_loss, targets, y_pred)
+                state = self._batch_state(shard_loss, targets, y_pred)
                 total = state if total is None else total + state
         assert total is not None
         return total
