@@ -232,12 +232,11 @@ class SparseCategoricalCrossentropy(Loss):
         self.ignore_class = ignore_class
 
     def _class_ids(self, y_true: Any, y_pred: torch.Tensor) -> torch.Tensor:
-        ids = _to_tensor(y_true, "y_true", y_pred.device)
-        received = _shape(ids)
+        given = ids = _to_tensor(y_true, "y_true", y_pred.device)
         if ids.dim() == y_pred.dim() and ids.dim() > 0 and ids.shape[-1] == 1:
             ids = ids.squeeze(-1)
         if y_pred.dim() < 2 or ids.shape != y_pred.shape[:-1]:
-            hint = ""
+            received, hint = _shape(given), ""
             if received == _shape(y_pred):
                 hint = "; for one-hot or probability targets use CategoricalCrossentropy"
             raise ValueError(
@@ -262,17 +261,18 @@ class SparseCategoricalCrossentropy(Loss):
         """torch's fused cross-entropy, one value per id; it checks the ids' range itself on
         the host, and no id is ignored (torch's default ignores -100)."""
         num_classes = logits.shape[-1]
+        flat = logits.dim() == 2  # [batch, classes]: torch's own layout
         try:
             losses = F.cross_entropy(
-                logits.reshape(-1, num_classes),
-                ids.reshape(-1),
+                logits if flat else logits.reshape(-1, num_classes),
+                ids if flat else ids.reshape(-1),
                 reduction="none",
                 ignore_index=_NO_IGNORED_CLASS,
             )
         except IndexError:  # torch's "Target 5 is out of bounds.": say which input and why
             self._check_class_ids(ids, num_classes)
             raise
-        return losses.reshape(ids.shape)
+        return losses if flat else losses.reshape(ids.shape)
 
     def valid_mask(self, y_true: Any, y_pred: Any) -> torch.Tensor | None:
         if self.ignore_class is None:
