@@ -111,10 +111,14 @@ def test_single_replica_strategy_returns_plain_values():
         assert strategy.reduce("sum", result, axis=None).item() == 2.0
 
 
-def test_default_devices_are_all_logical_cpu_devices():
+def test_default_devices_are_the_gpus_else_all_logical_cpu_devices():
+    # TensorFlow's default: every GPU where there is one, else the (here split) CPU.
+    gpus = torch.cuda.device_count()
+    expected = [f"cuda:{i}" for i in range(gpus)] or ["cpu:0", "cpu:1", "cpu:2", "cpu:3"]
     with mirrored.MirroredStrategy() as strategy:
-        assert [d.short_name for d in strategy.devices] == ["cpu:0", "cpu:1", "cpu:2", "cpu:3"]
-        assert isinstance(strategy.cross_device_ops, mirrored.HierarchicalCopyAllReduce)
+        assert [d.short_name for d in strategy.devices] == expected
+        if not gpus:
+            assert isinstance(strategy.cross_device_ops, mirrored.HierarchicalCopyAllReduce)
 
 
 def test_constructor_errors_name_the_problem():
