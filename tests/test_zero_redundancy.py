@@ -14,7 +14,6 @@ from torch import nn
 import mirrored
 from mirrored.rendezvous import ReplicaExchange
 from mirrored.sharded_update import state_bytes
-from mirrored.zero_redundancy import Piece, plan_pieces, plan_segments
 from tests.reference_loops import (
     CROSS_DEVICE_OPS,
     Batch,
@@ -213,35 +212,6 @@ def test_fit_and_save_with_sharded_state_equal_fit_without(tmp_path: Path) -> No
     (plain_module, plain_file), (sharded_module, sharded_file) = results
     assert_same_parameters(plain_module, sharded_module)
     assert_same_state(plain_file["optimizer"], sharded_file["optimizer"])
-
-
-def test_pieces_are_n_equal_ranges_of_the_parameters_end_to_end() -> None:
-    # 40 elements over 4 replicas: ranges of 10; position 2 is not contiguous, so it stays
-    # whole.
-    numels = {0: 25, 1: 3, 2: 8, 3: 0, 4: 4}
-    pieces, owners = plan_pieces(numels, {0, 1, 3, 4}, num_replicas=4)
-    assert pieces == [
-        Piece(0, 0, 10, False),
-        Piece(0, 10, 10, False),
-        Piece(0, 20, 5, False),
-        Piece(1, 0, 3, True),
-        Piece(2, 0, 8, True),  # replica 2 holds 5 + 3 + 8 = 16: the one ragged range
-        Piece(3, 0, 0, True),
-        Piece(4, 0, 4, True),
-    ]
-    assert owners == [0, 1, 2, 2, 2, 3, 3]
-
-
-def test_segments_hold_each_workers_share_end_to_end() -> None:
-    pieces = [Piece(0, 0, 5, True), Piece(1, 0, 3, False), Piece(1, 3, 4, False)]
-    pieces.append(Piece(2, 0, 2, True))
-    dtypes = [torch.float32] * 3 + [torch.float64]
-    layouts = plan_segments(pieces, dtypes, worker_of=[0, 1, 1, 0], num_workers=2)
-    by_dtype = {layout.dtype: layout for layout in layouts}
-    assert by_dtype[torch.float32].segment == 7  # worker 1's 3 + 4
-    assert by_dtype[torch.float32].slots == ((0, 0), (1, 7), (2, 10))
-    assert by_dtype[torch.float64].segment == 2
-    assert by_dtype[torch.float64].slots == ((3, 0),)
 
 
 @pytest.mark.parametrize("zero_stage", [3, -1, True, 1.0])
