@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mirrored.bucketing import PackedTensors, plan_buckets
+from mirrored.bucketing import PackedTensors, plan_buckets, plan_gradient_buckets
 
 SHAPES = [(4, 3), (3,), (2, 2), (5,)]
 FLOATS = [torch.float32] * 4
@@ -55,3 +55,33 @@ def test_pack_and_unpack_round_trip_with_missing_tensors_as_zeros():
         views[3].add_(1)  # a view packed again into itself keeps its value
         packed.pack([tensors[0], tensors[1], tensors[2], views[3]])
         assert torch.equal(packed.unpacked()[3], tensors[3] + 1)
+
+
+def test_gradient_buckets_follow_backward_order_with_a_smaller_first_bucket():
+    # float32 gradients of 48, 12, 16 and 20 bytes; backward produces the last first.
+    shapes = [torch.Size(s) for s in SHAPES]
+    plan = plan_gradient_buckets(shapes, FLOATS, bytes_per_pack=32, first_pack_bytes=20)
+    assert [b.indices for b in plan.buckets] == [(3,), (2, 1), (0,)]
+    assert [b.offsets for b in plan.buckets] == [(0,), (0, 4), (0,)]
+    assert plan.bucket_of == (2, 1, 1, 0)
+    assert [plan.length(b) for b in range(3)] == [5 + 1, 7 + 2, 12 + 1]  # counts at the end
+    assert plan.layouts() == [
+        [(0, torch.Size([5]))],
+        [(0, torch.Size([2, 2])), (4, torch.Size([3]))],
+        [(0, torch.Size([4, 3]))],
+    ]
+
+
+def test_gradient_buckets_hold_every_parameter_once_and_one_dtype_each():
+    shapes = [torch.Size([n]) for n in (7, 3, 100, 1, 9, 30)]
+    dtypes = [torch.float32, torch.float64, torch.float32, torch.float64, torch.float16]
+    dtypes.append(torch.float32)
+    plan = plan_gradient_buckets(shapes, dtypes, bytes_per_pack=64, first_pack_bytes=16)
+    members = sorted(i for bucket in plan.buckets for i in bucket.indices)
+    assert members == list(range(len(shapes)))
+    for b, bucket in enumerate(plan.buckets):
+        assert {dtypes[i] for i in bucket.indices} == {bucket.dtype}
+        assert all(plan.bucket_of[i] == b for i in bucket.indices)
+        assert bucket.numel == sum(shapes[i].numel() for i in bucket.indices)
+        assert list(bucket.indices) == sorted(bucket.indices, reverse=True)  # backward order
+    assert plan.buckets[0].indices == (5,)  # 120 bytes: alone, above the first cap

@@ -1,7 +1,8 @@
 """Packing many tensors into a few flat buckets, so an all-reduce pays per bucket, not per tensor.
 
 The plan is computed from shapes and dtypes alone (no devices, no threads) and is the same on
-every replica, which is what lets replicas reduce bucket ``i`` together.
+every replica, which is what lets replicas reduce bucket ``i`` together. The gradient reducer's
+plan (:class:`GradientBucketPlan`) packs gradients in the order backward produces them.
 """
 
 from __future__ import annotations
@@ -13,7 +14,13 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["Bucket", "PackedTensors", "plan_buckets"]
+__all__ = [
+    "Bucket",
+    "GradientBucketPlan",
+    "PackedTensors",
+    "plan_buckets",
+    "plan_gradient_buckets",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,43 +57,103 @@ def plan_buckets(
     by_dtype: dict[torch.dtype, list[int]] = {}
     for index, dtype in enumerate(dtypes):
         by_dtype.setdefault(dtype, []).append(index)
-
-    groups: list[tuple[torch.dtype, list[int]]] = []
+    buckets: list[Bucket] = []
     for dtype, indices in by_dtype.items():
-        itemsize = torch.empty((), dtype=dtype).element_size()
         if bytes_per_pack > 0:
-            current: list[int] = []
-            size = 0
-            for index in indices:
-                nbytes = numels[index] * itemsize
-                cap = first_pack_bytes if first_pack_bytes and not groups else bytes_per_pack
-                if current and size + nbytes > cap:
-                    groups.append((dtype, current))
-                    current, size = [], 0
-                current.append(index)
-                size += nbytes
-            groups.append((dtype, current))
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            nbytes = [numels[i] * itemsize for i in indices]
+            first_cap = first_pack_bytes if first_pack_bytes and not buckets else bytes_per_pack
+            groups = _fill(nbytes, first_cap, bytes_per_pack)
         elif num_packs == 0:
-            groups += [(dtype, [index]) for index in indices]
+            groups = [[j] for j in range(len(indices))]
         else:
-            total = sum(numels[i] for i in indices)
-            target = math.ceil(total / num_packs)
-            current, size = [], 0
-            for index in indices:
-                current.append(index)
-                size += numels[index]
-                if size >= target:
-                    groups.append((dtype, current))
-                    current, size = [], 0
-            if current:
-                groups.append((dtype, current))
-
-    buckets = []
-    for dtype, indices in groups:
-        sizes = [numels[i] for i in indices]
-        offsets = (0, *itertools.accumulate(sizes[:-1]))
-        buckets.append(Bucket(tuple(indices), offsets, sum(numels[i] for i in indices), dtype))
+            groups = _split_evenly([numels[i] for i in indices], num_packs)
+        for group in groups:
+            members = [indices[j] for j in group]
+            sizes = [numels[i] for i in members]
+            offsets = (0, *itertools.accumulate(sizes[:-1]))
+            buckets.append(Bucket(tuple(members), offsets, sum(sizes), dtype))
     return tuple(buckets)
+
+
+def _fill(nbytes: Sequence[int], first_cap: int, cap: int) -> list[list[int]]:
+    """Consecutive groups of the tensors of ``nbytes`` bytes each, of at most ``cap`` bytes
+    (``first_cap`` for the first) unless one tensor alone is larger."""
+    groups: list[list[int]] = []
+    current: list[int] = []
+    size = 0
+    for j, n in enumerate(nbytes):
+        if current and size + n > (cap if groups else first_cap):
+            groups.append(current)
+            current, size = [], 0
+        current.append(j)
+        size += n
+    groups.append(current)
+    return groups
+
+
+def _split_evenly(numels: Sequence[int], num_packs: int) -> list[list[int]]:
+    """About ``num_packs`` consecutive groups of the tensors of ``numels`` elements each, each
+    closed once it holds 1/``num_packs`` of the elements."""
+    target = math.ceil(sum(numels) / num_packs)
+    groups: list[list[int]] = []
+    current: list[int] = []
+    size = 0
+    for j, numel in enumerate(numels):
+        current.append(j)
+        size += numel
+        if size >= target:
+            groups.append(current)
+            current, size = [], 0
+    if current:
+        groups.append(current)
+    return groups
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientBucketPlan:
+    """The buckets of one optimizer's gradients, reduced while backward runs: filled in the
+    order backward produces the gradients (the last parameters first), each bucket holding its
+    gradients end to end and then one count per parameter (how many replicas produced it)."""
+
+    buckets: tuple[Bucket, ...]  # indices: the parameters' positions in a replica's list
+    shapes: tuple[torch.Size, ...]  # per parameter position
+    bucket_of: tuple[int, ...]  # per parameter position: the bucket it is in
+
+    def length(self, b: int) -> int:
+        """Elements of bucket ``b``: its gradients and their counts."""
+        return self.buckets[b].numel + len(self.buckets[b].indices)
+
+    def layouts(self) -> list[list[tuple[int, torch.Size]]]:
+        """Per bucket, where each of its gradients starts and its shape."""
+        return [
+            [(offset, self.shapes[i]) for i, offset in zip(b.indices, b.offsets, strict=True)]
+            for b in self.buckets
+        ]
+
+
+def plan_gradient_buckets(
+    shapes: Sequence[torch.Size],
+    dtypes: Sequence[torch.dtype],
+    bytes_per_pack: int,
+    first_pack_bytes: int,
+) -> GradientBucketPlan:
+    """The buckets of gradients of ``shapes`` and ``dtypes`` (a replica's parameters, in
+    order), as :func:`plan_buckets` packs them by ``bytes_per_pack`` and ``first_pack_bytes``
+    taken in the order backward produces them."""
+    order = list(reversed(range(len(shapes))))  # backward reaches the last layers first
+    plan = plan_buckets(
+        [shapes[i] for i in order], [dtypes[i] for i in order], 1, bytes_per_pack, first_pack_bytes
+    )
+    buckets = tuple(
+        dataclasses.replace(bucket, indices=tuple(order[j] for j in bucket.indices))
+        for bucket in plan
+    )
+    bucket_of = [0] * len(shapes)
+    for b, bucket in enumerate(buckets):
+        for index in bucket.indices:
+            bucket_of[index] = b
+    return GradientBucketPlan(buckets, tuple(torch.Size(s) for s in shapes), tuple(bucket_of))
 
 
 class PackedTensors:

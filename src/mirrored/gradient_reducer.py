@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from mirrored.bucketing import plan_buckets
+from mirrored.bucketing import plan_gradient_buckets
 from mirrored.wire_compression import bucket_compressor
 
 if TYPE_CHECKING:
@@ -70,6 +70,8 @@ class OverlappedGradientReducer:
         local: the optimizer's local SGD schedule (None: every update reduces).
         compression: ``CommunicationOptions.compression`` (:mod:`mirrored.wire_compression`).
         bytes_per_pack: bucket size in bytes; ``first_pack_bytes`` caps the first bucket.
+
+    Its buckets are ``plan`` (:func:`mirrored.bucketing.plan_gradient_buckets`).
     """
 
     def __init__(
@@ -88,61 +90,50 @@ class OverlappedGradientReducer:
         self._window = window
         self._local = local
         self._params = [list(p) for p in params]
-        num_local = len(self._params)
         first = self._params[0]
-        order = list(reversed(range(len(first))))  # backward reaches the last layers first
-        plan = plan_buckets(
-            [first[i].shape for i in order],
-            [first[i].dtype for i in order],
-            1,
-            bytes_per_pack,
-            first_pack_bytes,
+        self.plan = plan_gradient_buckets(
+            [p.shape for p in first], [p.dtype for p in first], bytes_per_pack, first_pack_bytes
         )
-        self._buckets = [tuple(order[j] for j in bucket.indices) for bucket in plan]
-        self._numels = [bucket.numel for bucket in plan]
-        layouts = [
-            [
-                (offset, first[order[j]].shape)
-                for j, offset in zip(b.indices, b.offsets, strict=True)
-            ]
-            for b in plan
-        ]
-        lengths = [bucket.numel + len(bucket.indices) for bucket in plan]  # counts at the end
-        self._compressor = bucket_compressor(compression, layouts, lengths)
-        self._bucket_of = [(0, 0)] * len(first)
-        for b, members in enumerate(self._buckets):
-            for slot, index in enumerate(members):
-                self._bucket_of[index] = (b, slot)
-        # Per replica and bucket: the gradients end to end, then one count per parameter.
+        lengths = [self.plan.length(b) for b in range(len(self.plan.buckets))]
+        self._compressor = bucket_compressor(compression, self.plan.layouts(), lengths)
+        self._allocate()
+        self._cuda = any(p.is_cuda for replica in self._params for p in replica[:1])
+        self._passes = [0] * len(self._params)  # backward passes since the last optimizer.step()
+        self._lock = threading.Lock()
+        self.reset()
+        self._watch()
+
+    def _allocate(self) -> None:
+        """Per replica, the plan's buckets (gradients end to end, then one count per parameter),
+        each gradient's view of them, and the zero a hook hands autograd instead of a gradient
+        already sent."""
         self._buffers = [
             [
-                torch.zeros(numel + len(members), dtype=bucket.dtype, device=replica[0].device)
-                for bucket, numel, members in zip(plan, self._numels, self._buckets, strict=True)
+                torch.zeros(self.plan.length(b), dtype=bucket.dtype, device=replica[0].device)
+                for b, bucket in enumerate(self.plan.buckets)
             ]
             for replica in self._params
         ]
         self._views: list[list[torch.Tensor]] = []
         for buffers in self._buffers:
-            views: list[torch.Tensor] = [torch.empty(0)] * len(first)
-            for bucket, buffer in zip(plan, buffers, strict=True):
-                for j, offset in zip(bucket.indices, bucket.offsets, strict=True):
-                    index = order[j]
-                    views[index] = buffer[offset : offset + first[index].numel()].view(
-                        first[index].shape
-                    )
+            views: list[torch.Tensor] = [torch.empty(0)] * len(self.plan.shapes)
+            for bucket, buffer in zip(self.plan.buckets, buffers, strict=True):
+                for index, offset in zip(bucket.indices, bucket.offsets, strict=True):
+                    shape = self.plan.shapes[index]
+                    views[index] = buffer[offset : offset + shape.numel()].view(shape)
             self._views.append(views)
-        # What a hook hands autograd instead of a gradient already sent, on each replica's device.
         self._zeros = [
             [torch.zeros((), dtype=p.dtype, device=p.device) for p in replica]
             for replica in self._params
         ]
-        self._cuda = any(p.is_cuda for replica in self._params for p in replica[:1])
-        self._passes = [0] * num_local  # backward passes since the last optimizer.step()
-        self._lock = threading.Lock()
-        self.reset()
+
+    def _watch(self) -> None:
+        """Hook every replica's parameters, taking them over from the reducer of an earlier
+        mirroring of them."""
+        num_local, num_params = len(self._params), len(self._params[0])
         self._handles: list[Any] = []
-        self._hooked = [[False] * len(first) for _ in range(num_local)]
-        self._accumulators: list[list[Any]] = [[None] * len(first) for _ in range(num_local)]
+        self._hooked = [[False] * num_params for _ in range(num_local)]
+        self._accumulators: list[list[Any]] = [[None] * num_params for _ in range(num_local)]
         for r, replica in enumerate(self._params):
             for i, param in enumerate(replica):
                 owner = _OWNERS.get(param)
@@ -160,12 +151,12 @@ class OverlappedGradientReducer:
         self._in_pass = [False] * num_local
         self._fired = [[False] * num_params for _ in range(num_local)]
         self._fresh = [[False] * num_params for _ in range(num_local)]
-        self._left = [[len(m) for m in self._buckets] for _ in range(num_local)]
-        self._events: list[list[Any]] = [[None] * len(self._buckets) for _ in range(num_local)]
+        self._left = [[len(m.indices) for m in self.plan.buckets] for _ in range(num_local)]
+        self._events: list[list[Any]] = [[None] * len(self.plan.buckets) for _ in range(num_local)]
         # Shared by the local replicas.
-        self._packed = [0] * len(self._buckets)
+        self._packed = [0] * len(self.plan.buckets)
         self._next_launch = 0
-        self._pending: list[PendingSum | None] = [None] * len(self._buckets)
+        self._pending: list[PendingSum | None] = [None] * len(self.plan.buckets)
 
     def _hook(self, r: int, i: int) -> None:
         """Watch parameter ``i`` of replica ``r`` (only possible while it requires grad)."""
@@ -238,7 +229,7 @@ class OverlappedGradientReducer:
         return False
 
     def _param_packed(self, r: int, i: int) -> None:
-        b, _ = self._bucket_of[i]
+        b = self.plan.bucket_of[i]
         self._left[r][b] -= 1
         if self._left[r][b]:
             return
@@ -249,15 +240,16 @@ class OverlappedGradientReducer:
             self._events[r][b] = event
         with self._lock:
             self._packed[b] += 1
-            while self._next_launch < len(self._buckets) and self._packed[self._next_launch] == len(
-                self._params
-            ):
+            while self._next_launch < len(self.plan.buckets) and self._packed[
+                self._next_launch
+            ] == len(self._params):
                 self._launch(self._next_launch)
                 self._next_launch += 1
 
     def _write_counts(self, r: int, b: int) -> None:
-        tail = self._buffers[r][b][self._numels[b] :]
-        counts = [1.0 if self._fired[r][j] else 0.0 for j in self._buckets[b]]
+        bucket = self.plan.buckets[b]
+        tail = self._buffers[r][b][bucket.numel :]
+        counts = [1.0 if self._fired[r][j] else 0.0 for j in bucket.indices]
         if all(counts):  # the usual case: one fill, no host-to-device tensor
             tail.fill_(1.0)
         else:
@@ -272,7 +264,7 @@ class OverlappedGradientReducer:
                     torch.cuda.current_stream(total.device).wait_event(events[b])
         for buffers in self._buffers[1:]:
             total.add_(buffers[b].to(total.device, non_blocking=True))
-        label = f"gradients: bucket {b + 1} of {len(self._buckets)}"
+        label = f"gradients: bucket {b + 1} of {len(self.plan.buckets)}"
         if self._compressor is None:
             self._pending[b] = self._group.all_reduce_async(total, label)
         else:
@@ -312,19 +304,19 @@ class OverlappedGradientReducer:
         # Every local replica has packed every bucket, so every all-reduce has started.
         exchange.barrier("gradients packed", cross_device=True)
         if r == 0:
-            pending, self._pending = self._pending, [None] * len(self._buckets)
-            self._packed = [0] * len(self._buckets)
+            pending, self._pending = self._pending, [None] * len(self.plan.buckets)
+            self._packed = [0] * len(self.plan.buckets)
             self._next_launch = 0
             for collective in pending:
                 if collective is not None:
                     collective.wait()
         exchange.barrier("gradients reduced", cross_device=True)
-        for b, members in enumerate(self._buckets):
+        for b, bucket in enumerate(self.plan.buckets):
             buffer = self._buffers[r][b]
             if r:
                 buffer.copy_(self._buffers[0][b], non_blocking=True)
-            counts = buffer[self._numels[b] :].tolist()
-            for index, count in zip(members, counts, strict=True):
+            counts = buffer[bucket.numel :].tolist()
+            for index, count in zip(bucket.indices, counts, strict=True):
                 if not count:
                     continue  # no replica anywhere has a gradient for it: it stays None
                 param, view = self._params[r][index], self._views[r][index]
@@ -337,7 +329,7 @@ class OverlappedGradientReducer:
         self._in_pass[r] = False
         self._fired[r] = [False] * len(self._fired[r])
         self._fresh[r] = [False] * len(self._fresh[r])
-        self._left[r] = [len(m) for m in self._buckets]
+        self._left[r] = [len(m.indices) for m in self.plan.buckets]
         self._passes[r] += 1
 
     def end_step(self, r: int) -> None:
