@@ -40,6 +40,7 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from mirrored._torch_internals import will_engine_execute_node
 from mirrored.bucketing import plan_gradient_buckets
 from mirrored.wire_compression import bucket_compressor
 
@@ -350,6 +351,6 @@ def _accumulates(accumulator: Any) -> bool:
     """Whether the running backward accumulates through ``accumulator`` (``loss.backward()``),
     as opposed to ``torch.autograd.grad``, whose results the hooks must leave alone."""
     try:
-        return bool(torch._C._will_engine_execute_node(accumulator))
+        return bool(will_engine_execute_node(accumulator))
     except RuntimeError:  # torch refuses the question during autograd.grad
         return False

@@ -80,6 +80,7 @@ from torch.distributed.elastic.rendezvous import (
     rendezvous_handler_registry,
 )
 
+from mirrored._torch_internals import elastic_worker_processes
 from mirrored.launch_worker import FINISHED_DIR, LAUNCHER_PID, finished_marker
 from mirrored.worker_group import loopback_interface
 
@@ -322,7 +323,7 @@ class _Agent(LocalElasticAgent):
         self._folder = folder
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
-        workers = self._pcontext
+        workers = elastic_worker_processes(self)
         if isinstance(workers, SubprocessContext):  # always: the entrypoint is a command
             for local_rank, handler in workers.subprocess_handlers.items():
                 status = handler.proc.poll()

@@ -13,7 +13,6 @@ strategy's custom loop for the same reason).
 
 from __future__ import annotations
 
-import sys
 import warnings
 from collections import deque
 from collections.abc import Sequence
@@ -21,6 +20,7 @@ from typing import Any
 
 import torch
 
+from mirrored._torch_internals import caller_frame
 from mirrored.context import ReplicaContext, current_replica_context
 from mirrored.values import ReduceOp
 
@@ -233,7 +233,7 @@ _warned = False
 def _caller_level() -> int:
     """The ``stacklevel`` of the first frame outside mirrored and torch: the user's
     ``loss.backward()``."""
-    level, frame = 2, sys._getframe(2)
+    level, frame = 2, caller_frame(2)
     while frame.f_back is not None and frame.f_globals.get("__name__", "").startswith(
         ("mirrored.", "torch")
     ):

@@ -30,6 +30,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from mirrored import torch_compat
+from mirrored._torch_internals import disable_torch_function
 from mirrored.batch_norm import convert_sync_batch_norm, running_stat_buffers
 from mirrored.bucketing import PackedTensors
 from mirrored.buffer_sync import BufferSync
@@ -540,7 +541,7 @@ class MirroredOptimizer(torch.optim.Optimizer):
     def _without_torch_function(self) -> AbstractContextManager[Any]:
         """Torch-function modes (the per-replica RNG's) cost a Python call per op and replicas
         share one GIL; the update of plain tensors needs none of them."""
-        return torch._C.DisableTorchFunction() if self._plain_tensors else nullcontext()
+        return disable_torch_function() if self._plain_tensors else nullcontext()
 
     def _step(self, replica: ReplicaContext) -> Any:
         window, replica_id = self._window, replica.local_replica_id

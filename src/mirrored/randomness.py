@@ -43,7 +43,6 @@ import numbers
 import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from types import FunctionType
 from typing import Any
 
 import numpy as np
@@ -52,6 +51,14 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from mirrored import rng_state, torch_compat
+from mirrored._torch_internals import (
+    PRIVATE_SAMPLERS,
+    aten_takes_generator,
+    body_without_torch_function_check,
+    is_functorch_wrapped,
+    outside_functorch,
+    safe_softmax,
+)
 
 __all__ = ["ReplicaRandomness", "StepSeed", "activation_checkpoint_contexts"]
 
@@ -68,20 +75,6 @@ def _arg(args: _Args, kwargs: _Kwargs, index: int, name: str, default: Any) -> A
     return args[index] if len(args) > index else default
 
 
-def _aten_takes_generator(name: str) -> bool:
-    """Whether some overload of ``aten::name`` has a ``generator`` argument (``rand_like`` has
-    one only in newer torch)."""
-    try:
-        packet = getattr(torch.ops.aten, name)
-    except (AttributeError, RuntimeError):
-        return False
-    return any(
-        argument.name == "generator"
-        for overload in packet.overloads()
-        for argument in getattr(packet, overload)._schema.arguments
-    )
-
-
 _SAMPLERS: list[Callable[..., Any]] = [
     torch.rand,
     torch.rand_like,
@@ -95,8 +88,7 @@ _SAMPLERS: list[Callable[..., Any]] = [
     torch.multinomial,
     torch.poisson,
     torch.binomial,
-    torch._standard_gamma,  # Gamma, Beta, Chi2 sampling
-    torch._sample_dirichlet,
+    *PRIVATE_SAMPLERS,
     torch.Tensor.uniform_,
     torch.Tensor.normal_,
     torch.Tensor.bernoulli_,
@@ -155,7 +147,7 @@ _RECURRENT: list[Callable[..., Any]] = [torch.lstm, torch.gru, torch.rnn_tanh, t
 # generator= argument in this torch swap the replica's state in.
 _ROUTES: dict[Callable[..., Any], str] = {
     **dict.fromkeys(_SAMPLERS + _INITIALIZERS, "_swapped"),
-    **{f: "_with_generator" for f in _SAMPLERS if _aten_takes_generator(f.__name__)},
+    **{f: "_with_generator" for f in _SAMPLERS if aten_takes_generator(f.__name__)},
     **{
         f: "_with_generator"
         for f in _INITIALIZERS
@@ -172,31 +164,6 @@ _ROUTES: dict[Callable[..., Any], str] = {
     torch.autograd.backward: "_backward",
     torch.autograd.grad: "_autograd_pass",
 }
-_DISPATCH_CHECKS = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")
-
-
-def _never(*args: Any, **kwargs: Any) -> bool:
-    return False
-
-
-_bodies: dict[Callable[..., Any], Callable[..., Any] | None] = {}
-
-
-def _body(func: Callable[..., Any]) -> Callable[..., Any] | None:
-    """A copy of torch's Python function ``func`` that skips its own ``__torch_function__``
-    check (its globals say no override is active), so that under a mode it runs its body with
-    the mode still on; None when ``func`` does not check through those globals. The copy's
-    globals are a snapshot of its module's at the first call: a name that module rebinds
-    later (a monkeypatch) is not seen by the copy."""
-    if func not in _bodies:
-        code = getattr(func, "__code__", None)
-        body = None
-        if code is not None and any(name in code.co_names for name in _DISPATCH_CHECKS):
-            namespace = {**func.__globals__, **dict.fromkeys(_DISPATCH_CHECKS, _never)}
-            body = FunctionType(code, namespace, func.__name__, func.__defaults__, func.__closure__)
-            body.__kwdefaults__ = func.__kwdefaults__
-        _bodies[func] = body
-    return _bodies[func]
 
 
 def _device_of(args: _Args, kwargs: _Kwargs) -> torch.device:
@@ -224,11 +191,6 @@ def _real(value: Any) -> float | None:
     return None
 
 
-_outside_functorch = getattr(torch._C, "_DisableFuncTorch", nullcontext)
-_functorch = getattr(torch._C, "_functorch", None)
-_is_functorch_wrapped = getattr(_functorch, "is_functorch_wrapped_tensor", lambda t: False)
-
-
 def _is_plain(tensor: Any) -> bool:
     """A dense tensor of torch's own type: not nested, sparse, a subclass, or a tensor that
     ``vmap`` or ``grad`` wrapped (their random ops follow rules of their own: torch's kernels)."""
@@ -236,7 +198,7 @@ def _is_plain(tensor: Any) -> bool:
         type(tensor) in (torch.Tensor, torch.nn.Parameter)
         and tensor.layout == torch.strided
         and not tensor.is_nested
-        and not _is_functorch_wrapped(tensor)
+        and not is_functorch_wrapped(tensor)
     )
 
 
@@ -310,8 +272,7 @@ def _cpu_attention(
         else:
             scores = scores + attn_mask
     # A row with every position masked out attends to nothing (zeros), as in ATen, not NaN.
-    safe_softmax = getattr(torch, "_safe_softmax", None)
-    weights = safe_softmax(scores, -1) if safe_softmax is not None else scores.softmax(-1)
+    weights = safe_softmax(scores, -1)
     return _cpu_dropout(weights, dropout_p, False, False, generator) @ value
 
 
@@ -430,7 +391,7 @@ class StepSeed:
                 copy = torch.Generator()
                 copy.set_state(self._start)
                 pending = _seed_draws.claimed - self._taken_at_start  # other steps' seeds
-                with _outside_functorch():  # a draw for the step, not for each vmap-ped example
+                with outside_functorch():  # a draw for the step, not for each vmap-ped example
                     draws = torch.empty(pending + 1, dtype=torch.int64).random_(generator=copy)
                 self._seed = int(draws[-1])
                 _seed_draws.claimed += 1
@@ -438,7 +399,7 @@ class StepSeed:
 
     def __exit__(self, *exc_info: object) -> None:
         if self._seed is not None:
-            with _global_rng_lock, _outside_functorch():
+            with _global_rng_lock, outside_functorch():
                 torch.empty((), dtype=torch.int64).random_()
                 _seed_draws.taken += 1
 
@@ -604,8 +565,8 @@ class ReplicaRandomness(TorchFunctionMode):
         return self._swapped(func, args, kwargs)  # torch's kernel (or its error)
 
     def _around(self, func: Callable[..., Any], args: _Args, kwargs: _Kwargs) -> Any:
-        body = _body(func)
-        # A body that dispatches anyway (its check is not one of the globals _body replaces)
+        body = body_without_torch_function_check(func)
+        # A body that dispatches anyway (its check is not one of the globals the copy replaces)
         # comes back here: then torch's function runs whole, on our stream.
         if body is None or func in self._running_bodies:
             return self._swapped(func, args, kwargs)
@@ -630,7 +591,7 @@ class ReplicaRandomness(TorchFunctionMode):
         (a checkpoint's recomputation, a hook's) draw from this replica's streams: on this
         thread, and on autograd's device threads, which take the torch-function modes a pass
         began with. It runs the function's body: its own check would hand it back here."""
-        body = _body(func)
+        body = body_without_torch_function_check(func)
         if body is None:
             return func(*args, **kwargs)
         self._autograd_passes += 1

@@ -1,9 +1,10 @@
-"""Where mirrored reaches into torch's internals, each piece checked against the torch it runs on.
+"""torch's process-wide helpers made to work inside replicas: activation checkpointing, gradient
+clipping, ``GradScaler`` and LR schedulers, wrapped where torch looks them up.
 
 Activation checkpointing (``torch.utils.checkpoint``) saves torch's global generators as a
 checkpoint's forward begins and restores them around each recomputation in backward; replicas
-draw from generators of their own (:mod:`mirrored.randomness`). ``checkpoint()`` reaches its two
-implementations through its module's globals at every call: ``CheckpointFunction``
+draw from generators of their own (:mod:`mirrored.randomness`). ``checkpoint()`` reaches its
+two implementations through its module's globals at every call: ``CheckpointFunction``
 (``use_reentrant=True``) and ``_checkpoint_without_reentrant_generator`` (``use_reentrant=False``).
 Both are replaced by wrappers that, inside a replica, turn torch's save and restore off (it would
 read and write the process-wide generators from several replica threads) and run each
@@ -28,13 +29,13 @@ On a torch whose checkpoint module is not what these wrappers expect nothing is 
 ``torch.get_rng_state`` refuses on a replica's thread: every checkpoint that preserves the random
 state calls it as its forward begins, so it raises there rather than recompute other masks. On a
 torch whose clipping module is not, only the public functions are wrapped, and a warning says
-that a clipping function imported by name earlier clips each replica's part.
+that a clipping function imported by name earlier clips each replica's part. The private names of
+both modules are reached, and recognised, in :mod:`mirrored._torch_internals`.
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 import threading
 import warnings
 from collections.abc import Callable
@@ -45,6 +46,13 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 
+from mirrored._torch_internals import (
+    replace_checkpoint_implementations,
+    replace_gradient_readers,
+    unrecognised_checkpoint,
+    unrecognised_clipping,
+)
+
 __all__ = [
     "refusing_in_replicas",
     "route_checkpoint_recomputes",
@@ -52,7 +60,6 @@ __all__ = [
     "route_gradient_clipping",
     "route_scheduler_steps",
     "route_steps_of_subclasses",
-    "unrecognised_checkpoint",
 ]
 
 # The replay of the calling thread's replica, made as a checkpoint's forward begins; None
@@ -61,48 +68,6 @@ Replay = Callable[[], AbstractContextManager[None] | None]
 
 _install_lock = threading.Lock()
 _installed = False
-
-
-def _parameters(function: Any) -> list[str]:
-    try:
-        return list(inspect.signature(function).parameters)
-    except (TypeError, ValueError):
-        return []
-
-
-def _code(function: Any) -> Any:
-    """The code object of ``function`` under its decorators (torch's checkpoint is wrapped in
-    ``torch._disable_dynamo``, our wrappers in ``functools.wraps``); None when it has none."""
-    return getattr(inspect.unwrap(function), "__code__", None) if callable(function) else None
-
-
-def unrecognised_checkpoint(module: ModuleType | Any) -> str | None:
-    """What in torch's checkpoint ``module`` differs from what the wrappers rely on; None when
-    nothing does. They rely on ``checkpoint()`` looking both implementations up in the module at
-    each call, on ``CheckpointFunction`` recomputing through ``ctx.run_function``, and on the
-    non-reentrant generator recomputing by calling ``fn``."""
-    entry = _code(getattr(module, "checkpoint", None))
-    implementations = {"CheckpointFunction", "_checkpoint_without_reentrant_generator"}
-    if entry is None or not implementations <= set(entry.co_names):
-        return "checkpoint() does not call " + " and ".join(sorted(implementations))
-    function = getattr(module, "CheckpointFunction", None)
-    backward = _code(getattr(function, "backward", None))
-    if (
-        _parameters(getattr(function, "forward", None))[:3]
-        != ["ctx", "run_function", "preserve_rng_state"]
-        or backward is None
-        or "run_function" not in backward.co_names
-    ):
-        return "CheckpointFunction is not forward(ctx, run_function, preserve_rng_state, *args)"
-    generator = getattr(module, "_checkpoint_without_reentrant_generator", None)
-    code = _code(generator)
-    if (
-        code is None
-        or _parameters(generator)[:3] != ["fn", "preserve_rng_state", "context_fn"]
-        or "fn" not in code.co_cellvars
-    ):
-        return "_checkpoint_without_reentrant_generator is not (fn, preserve_rng_state, ...)"
-    return None
 
 
 class _Recompute:
@@ -184,9 +149,10 @@ def route_checkpoint_recomputes(replay: Replay) -> None:
         module = torch.utils.checkpoint
         reason = unrecognised_checkpoint(module)
         if reason is None:
-            module.CheckpointFunction = _reentrant(module.CheckpointFunction, replay)  # type: ignore[misc]
-            module._checkpoint_without_reentrant_generator = _non_reentrant(
-                module._checkpoint_without_reentrant_generator, replay
+            replace_checkpoint_implementations(
+                module,
+                lambda base: _reentrant(base, replay),
+                lambda original: _non_reentrant(original, replay),
             )
         else:
             torch.get_rng_state = refusing_in_replicas(torch.get_rng_state, reason, replay)
@@ -201,20 +167,6 @@ def _once(name: str, install: Callable[[], None]) -> None:
         if name not in _routed:
             install()
             _routed.add(name)
-
-
-def unrecognised_clipping(module: ModuleType | Any) -> str | None:
-    """What in torch's clip_grad ``module`` differs from what the clipping route relies on."""
-    for name in ("_get_total_norm", "_clip_grads_with_norm_", "clip_grad_value_"):
-        code = _code(getattr(module, name, None))
-        if code is None or "_group_tensors_by_device_and_dtype" not in code.co_names:
-            return f"{name} does not group gradients through _group_tensors_by_device_and_dtype"
-    norm = _code(getattr(module, "clip_grad_norm_", None))
-    if norm is None or "_clip_grads_with_norm_" not in norm.co_names:
-        return "clip_grad_norm_ does not hand its parameters to _clip_grads_with_norm_"
-    if _parameters(getattr(module, "_clip_grads_with_norm_", None))[:1] != ["parameters"]:
-        return "_clip_grads_with_norm_ does not take the parameters first"
-    return None
 
 
 # What the clipping route hands ``before``: the parameters, or the gradients, about to be read.
@@ -248,11 +200,11 @@ def route_clipping_of(module: ModuleType | Any, package: ModuleType | Any, befor
             stacklevel=2,
         )
         return
-    grouping = "_group_tensors_by_device_and_dtype"
-    first_list = _calling_first(getattr(module, grouping), before, lambda lists: _as_list(lists[0]))
-    setattr(module, grouping, first_list)
-    norm = "_clip_grads_with_norm_"
-    setattr(module, norm, _calling_first(getattr(module, norm), before, _as_list))
+
+    def reading_after_before(function: Callable[..., Any], read: Callable[[Any], Any]) -> Any:
+        return _calling_first(function, before, lambda first: _as_list(read(first)))
+
+    replace_gradient_readers(module, reading_after_before)
 
 
 def _as_list(tensors: Any) -> list[torch.Tensor]:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import ParamsT
 
+from mirrored._torch_internals import foreach_mul_
 from mirrored.optimizers._checks import non_negative
 
 __all__ = ["DECOUPLED_WEIGHT_DECAY", "RMSpropW", "SGDW", "apply_decoupled_weight_decay"]
@@ -41,7 +42,7 @@ def apply_decoupled_weight_decay(
                 continue
             params = [p for p in group["params"] if p.grad is not None]
             if params:
-                torch._foreach_mul_(params, 1.0 - group["lr"] * rate)
+                foreach_mul_(params, 1.0 - group["lr"] * rate)
 
 
 def _add_decoupled_weight_decay(optimizer: torch.optim.Optimizer, rate: float | None) -> None:

@@ -19,7 +19,6 @@ targets of position t are the labels of t + 1, and its loss counts those.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import sys
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -29,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from mirrored import losses as losses_module
+from mirrored._torch_internals import amp_unscale_and_check_, code_of
 from mirrored.context import get_replica_context
 from mirrored.input import batch_size_of
 from mirrored.losses import broadcast_weight, compute_average_loss, scale_shard_mean
@@ -105,7 +105,7 @@ def shifts_labels(module: Any) -> bool:
     is fed shifted inputs, and its loss compares each position with its own label."""
     loss_utils = sys.modules.get("transformers.loss.loss_utils")
     forward = getattr(getattr(module, "forward", None), "__func__", None)
-    code = getattr(inspect.unwrap(forward), "__code__", None) if forward is not None else None
+    code = code_of(forward)
     if loss_utils is None or code is None or "loss_function" not in code.co_names:
         return False
     if getattr(getattr(module, "config", None), "is_encoder_decoder", False):
@@ -338,9 +338,7 @@ class Steps:
         device = self._device()
         found = torch.zeros(1, device=device)
         if grads:
-            torch._amp_foreach_non_finite_check_and_unscale_(
-                grads, found, torch.full((1,), 1.0 / scale, device=device)
-            )
+            amp_unscale_and_check_(grads, found, torch.full((1,), 1.0 / scale, device=device))
         replica = get_replica_context()
         if replica is not None:
             found = replica.all_reduce(ReduceOp.SUM, found)

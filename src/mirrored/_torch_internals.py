@@ -1,0 +1,317 @@
+"""The one place mirrored reaches into torch's private names, each checked against the torch it
+runs on.
+
+Making torch's process-wide random generators per replica, reducing gradients during backward and
+routing torch's checkpointing and clipping through the replicas need names torch does not promise
+to keep: ``torch._C`` functions, private samplers and kernels, the private helpers of its
+checkpoint and clipping modules, its elastic agent's process context. Each is reached here only,
+by an accessor that says what it reaches and checks once, by feature (the name is there, its
+signature or code has the form this was written for), that it can: where it cannot, the accessor
+raises an error that names the missing piece, or takes the fallback its docstring gives. Lightning
+Fabric's ``utilities/imports.py`` checks torch the same way.
+
+Written against torch 2.13, the release CI tests (``TESTED_TORCH``).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from types import CodeType, FrameType, FunctionType, ModuleType
+from typing import Any
+
+import torch
+
+__all__ = [
+    "PRIVATE_SAMPLERS",
+    "TESTED_TORCH",
+    "amp_unscale_and_check_",
+    "aten_takes_generator",
+    "body_without_torch_function_check",
+    "caller_frame",
+    "code_of",
+    "disable_torch_function",
+    "elastic_worker_processes",
+    "foreach_mul_",
+    "is_functorch_wrapped",
+    "outside_functorch",
+    "replace_checkpoint_implementations",
+    "replace_gradient_readers",
+    "safe_softmax",
+    "unrecognised_checkpoint",
+    "unrecognised_clipping",
+    "will_engine_execute_node",
+]
+
+# The torch release CI installs (scripts/test.sh pins torch==2.13.0), as (major, minor).
+TESTED_TORCH = (2, 13)
+
+
+def _required(owner: object, where: str, name: str, purpose: str) -> Callable[..., Any]:
+    """``owner.name`` (looked up once); where this torch has no such function, one that raises
+    an ``ImportError`` naming it when called, so that ``import mirrored`` still works and only
+    the feature that needs it fails (not a ``RuntimeError``, which callers catch from torch)."""
+    found = getattr(owner, name, None)
+    if callable(found):
+        return found
+
+    def missing(*args: Any, **kwargs: Any) -> Any:
+        tested = ".".join(map(str, TESTED_TORCH))
+        raise ImportError(
+            f"torch {torch.__version__} has no {where}.{name}, which mirrored uses to {purpose}; "
+            f"mirrored is written against torch {tested}: install torch=={tested}.*"
+        )
+
+    return missing
+
+
+# -- autograd, dispatch and optimizer kernels -------------------------------------------------
+
+will_engine_execute_node: Callable[[Any], bool] = _required(
+    torch._C,
+    "torch._C",
+    "_will_engine_execute_node",
+    "tell loss.backward() (gradients to reduce) from torch.autograd.grad (none)",
+)
+"""``torch._C._will_engine_execute_node(node)``: whether the running backward pass executes the
+autograd ``node``."""
+
+amp_unscale_and_check_: Callable[..., None] = _required(
+    torch,
+    "torch",
+    "_amp_foreach_non_finite_check_and_unscale_",
+    "unscale a mixed-precision step's gradients",
+)
+"""``torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)``: multiplies
+each gradient by ``inv_scale`` in place and sets ``found_inf`` to 1 where any is not finite (what
+``torch.amp.GradScaler.unscale_`` runs)."""
+
+foreach_mul_: Callable[..., None] = _required(
+    torch, "torch", "_foreach_mul_", "apply decoupled weight decay"
+)
+"""``torch._foreach_mul_(tensors, factor)``: each tensor multiplied in place, in one kernel per
+device and dtype (what torch's own optimizers use for weight decay)."""
+
+disable_torch_function: Callable[[], AbstractContextManager[Any]] = getattr(
+    torch._C, "DisableTorchFunction", nullcontext
+)
+"""``torch._C.DisableTorchFunction()``: a context in which no torch-function mode or override
+runs. Fallback, on a torch without it: a context that changes nothing (the modes then run, and
+cost a Python call per op)."""
+
+
+def caller_frame(depth: int) -> FrameType:
+    """The frame ``depth`` calls above the caller of this function (``sys._getframe``, CPython's,
+    which mirrored's warnings use to point at the user's line)."""
+    return sys._getframe(depth + 1)
+
+
+# -- random ops (mirrored.random_routing, mirrored.cpu_random_kernels, mirrored.step_seeds) -----
+
+# torch's samplers behind its distributions that are not in its public namespace: Gamma (and so
+# Beta and Chi2) and Dirichlet sampling; those this torch has.
+PRIVATE_SAMPLERS: list[Callable[..., Any]] = [
+    sampler
+    for sampler in (
+        getattr(torch, "_standard_gamma", None),
+        getattr(torch, "_sample_dirichlet", None),
+    )
+    if sampler is not None
+]
+
+
+def aten_takes_generator(name: str) -> bool:
+    """Whether some overload of ``aten::name`` has a ``generator`` argument, from the overloads'
+    ``_schema`` (``rand_like`` has one only in newer torch). Fallback, where torch has no such
+    op or schema: False (the op then runs with the replica's stream swapped in)."""
+    try:
+        packet = getattr(torch.ops.aten, name)
+    except (AttributeError, RuntimeError):
+        return False
+    schemas = (
+        getattr(getattr(packet, overload), "_schema", None) for overload in packet.overloads()
+    )
+    return any(
+        argument.name == "generator"
+        for schema in schemas
+        if schema is not None
+        for argument in schema.arguments
+    )
+
+
+_DISPATCH_CHECKS = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")
+
+
+def _never(*args: Any, **kwargs: Any) -> bool:
+    return False
+
+
+_bodies: dict[Callable[..., Any], Callable[..., Any] | None] = {}
+
+
+def body_without_torch_function_check(func: Callable[..., Any]) -> Callable[..., Any] | None:
+    """A copy of torch's Python function ``func`` (``F.dropout2d``, ``torch.autograd.backward``)
+    built from its ``__code__``, with globals that say no override is active, so that under a
+    torch-function mode it runs its body with the mode still on. Fallback: None when ``func``
+    has no code or does not check through those globals. The copy's globals are a snapshot of
+    its module's at the first call: a name that module rebinds later (a monkeypatch) is not seen
+    by the copy."""
+    if func not in _bodies:
+        code = getattr(func, "__code__", None)
+        body = None
+        if code is not None and any(name in code.co_names for name in _DISPATCH_CHECKS):
+            namespace = {**func.__globals__, **dict.fromkeys(_DISPATCH_CHECKS, _never)}
+            body = FunctionType(code, namespace, func.__name__, func.__defaults__, func.__closure__)
+            body.__kwdefaults__ = func.__kwdefaults__
+        _bodies[func] = body
+    return _bodies[func]
+
+
+outside_functorch: Callable[[], AbstractContextManager[Any]] = getattr(
+    torch._C, "_DisableFuncTorch", nullcontext
+)
+"""``torch._C._DisableFuncTorch()``: a context in which ``vmap`` and ``grad`` do not apply, so
+that a draw inside a vmap-ped function is one draw, not one per example. Fallback: a context that
+changes nothing."""
+
+_functorch = getattr(torch._C, "_functorch", None)
+_is_functorch_wrapped_tensor: Callable[[torch.Tensor], bool] = getattr(
+    _functorch, "is_functorch_wrapped_tensor", lambda tensor: False
+)
+
+
+def is_functorch_wrapped(tensor: torch.Tensor) -> bool:
+    """Whether ``vmap`` or ``grad`` wrapped ``tensor``
+    (``torch._C._functorch.is_functorch_wrapped_tensor``). Fallback: False."""
+    return _is_functorch_wrapped_tensor(tensor)
+
+
+_safe_softmax: Callable[..., torch.Tensor] | None = getattr(torch, "_safe_softmax", None)
+
+
+def safe_softmax(scores: torch.Tensor, dim: int) -> torch.Tensor:
+    """``torch._safe_softmax``: a softmax that gives zeros, not NaN, for a row with every
+    position masked out, as ATen's math attention does. Fallback: ``softmax`` (NaN there, as
+    the math attention of torch releases without it)."""
+    if _safe_softmax is None:
+        return scores.softmax(dim)
+    return _safe_softmax(scores, dim)
+
+
+# -- torch.utils.checkpoint and torch.nn.utils.clip_grad (mirrored.torch_compat) ---------------
+
+
+def _parameters(function: Any) -> list[str]:
+    try:
+        return list(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        return []
+
+
+def code_of(function: Any) -> CodeType | None:
+    """The code object of ``function`` under its decorators (torch's checkpoint is wrapped in
+    ``torch._disable_dynamo``, wrappers in ``functools.wraps``); None when it has none."""
+    return getattr(inspect.unwrap(function), "__code__", None) if callable(function) else None
+
+
+def unrecognised_checkpoint(module: ModuleType | Any) -> str | None:
+    """What in torch's checkpoint ``module`` differs from what
+    :func:`replace_checkpoint_implementations` relies on; None when nothing does: that
+    ``checkpoint()`` looks both implementations up in the module at each call, that
+    ``CheckpointFunction`` recomputes through ``ctx.run_function``, and that the non-reentrant
+    generator recomputes by calling ``fn``."""
+    entry = code_of(getattr(module, "checkpoint", None))
+    implementations = {"CheckpointFunction", "_checkpoint_without_reentrant_generator"}
+    if entry is None or not implementations <= set(entry.co_names):
+        return "checkpoint() does not call " + " and ".join(sorted(implementations))
+    function = getattr(module, "CheckpointFunction", None)
+    backward = code_of(getattr(function, "backward", None))
+    if (
+        _parameters(getattr(function, "forward", None))[:3]
+        != ["ctx", "run_function", "preserve_rng_state"]
+        or backward is None
+        or "run_function" not in backward.co_names
+    ):
+        return "CheckpointFunction is not forward(ctx, run_function, preserve_rng_state, *args)"
+    generator = getattr(module, "_checkpoint_without_reentrant_generator", None)
+    code = code_of(generator)
+    if (
+        code is None
+        or _parameters(generator)[:3] != ["fn", "preserve_rng_state", "context_fn"]
+        or "fn" not in code.co_cellvars
+    ):
+        return "_checkpoint_without_reentrant_generator is not (fn, preserve_rng_state, ...)"
+    return None
+
+
+def replace_checkpoint_implementations(
+    module: Any,
+    reentrant: Callable[[type], type],
+    non_reentrant: Callable[[Callable[..., Any]], Callable[..., Any]],
+) -> None:
+    """Replace the two implementations ``checkpoint()`` of a recognised checkpoint ``module``
+    (:func:`unrecognised_checkpoint` is None) calls: ``CheckpointFunction`` (``use_reentrant=
+    True``) by ``reentrant(it)`` and ``_checkpoint_without_reentrant_generator`` by
+    ``non_reentrant(it)``."""
+    assert unrecognised_checkpoint(module) is None
+    module.CheckpointFunction = reentrant(module.CheckpointFunction)
+    generator = module._checkpoint_without_reentrant_generator
+    module._checkpoint_without_reentrant_generator = non_reentrant(generator)
+
+
+def unrecognised_clipping(module: ModuleType | Any) -> str | None:
+    """What in torch's clip_grad ``module`` differs from what :func:`replace_gradient_readers`
+    relies on; None when nothing does."""
+    for name in ("_get_total_norm", "_clip_grads_with_norm_", "clip_grad_value_"):
+        code = code_of(getattr(module, name, None))
+        if code is None or "_group_tensors_by_device_and_dtype" not in code.co_names:
+            return f"{name} does not group gradients through _group_tensors_by_device_and_dtype"
+    norm = code_of(getattr(module, "clip_grad_norm_", None))
+    if norm is None or "_clip_grads_with_norm_" not in norm.co_names:
+        return "clip_grad_norm_ does not hand its parameters to _clip_grads_with_norm_"
+    if _parameters(getattr(module, "_clip_grads_with_norm_", None))[:1] != ["parameters"]:
+        return "_clip_grads_with_norm_ does not take the parameters first"
+    return None
+
+
+# A wrapper maker: (torch's function, what of its first argument are the tensors it reads) ->
+# the function to put in its place.
+GradientReaderWrap = Callable[[Callable[..., Any], Callable[[Any], Any]], Callable[..., Any]]
+
+
+def replace_gradient_readers(module: Any, wrap: GradientReaderWrap) -> None:
+    """Replace the two private functions through which a recognised clip_grad ``module``
+    (:func:`unrecognised_clipping` is None) reads gradients, whatever name its public functions
+    were imported under: ``_group_tensors_by_device_and_dtype`` (the gradients are its first
+    argument's first list) and ``_clip_grads_with_norm_`` (its first argument, the
+    parameters)."""
+    assert unrecognised_clipping(module) is None
+    grouping = module._group_tensors_by_device_and_dtype
+    module._group_tensors_by_device_and_dtype = wrap(grouping, lambda lists: lists[0])
+    module._clip_grads_with_norm_ = wrap(module._clip_grads_with_norm_, lambda params: params)
+
+
+# -- torch.distributed.elastic (mirrored.launch) ----------------------------------------------
+
+
+@functools.cache
+def _elastic_agent_recognised() -> bool:
+    """Whether torch's ``LocalElasticAgent`` keeps its workers' process context in
+    ``self._pcontext``: set by ``_start_workers``, polled by ``_monitor_workers``."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    methods = (
+        LocalElasticAgent.__dict__.get(name) for name in ("_start_workers", "_monitor_workers")
+    )
+    codes = [code_of(method) for method in methods]
+    return all(code is not None and "_pcontext" in code.co_names for code in codes)
+
+
+def elastic_worker_processes(agent: Any) -> Any:
+    """The process context (``PContext``) of an elastic ``agent``'s workers: its private
+    ``_pcontext``. Fallback, on a torch whose agent is not recognised: None (the caller leaves
+    the workers' exit statuses to torch)."""
+    return getattr(agent, "_pcontext", None) if _elastic_agent_recognised() else None
