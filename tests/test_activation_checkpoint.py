@@ -1,5 +1,6 @@
-"""Activation checkpointing inside replicas, with torch's and Hugging Face's default arguments:
-checkpointed training equals training without checkpoints, bit for bit."""
+"""Activation checkpointing, inside replicas and out: every recomputation draws the random numbers
+of its forward, with torch's and Hugging Face's default arguments or with
+``activation_checkpoint_contexts``, so checkpointed training equals training without."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from torch.utils.checkpoint import (
 )
 
 import mirrored
-from mirrored import randomness, torch_compat
+from mirrored import activation_checkpoint, torch_compat
 from tests.reference_loops import make_batches, train_mirrored
 
 
@@ -202,7 +203,91 @@ def test_on_an_unknown_torch_a_checkpoint_preserving_rng_state_is_refused_in_rep
         )
         monkeypatch.setattr(torch, "get_rng_state", torch.get_rng_state)
         monkeypatch.setattr(torch_compat, "_installed", False)
-        torch_compat.route_checkpoint_recomputes(randomness.replica_replay)
+        torch_compat.route_checkpoint_recomputes(activation_checkpoint.replica_replay)
         assert torch.equal(step(), torch.ones(8))  # outside replicas: torch's checkpoint
         with pytest.raises(ValueError, match=r"not the torch mirrored knows.*preserve_rng_state"):
             strategy.run(step)
+
+
+CHECKPOINT_OPTIONS = {
+    "use_reentrant": False,
+    "preserve_rng_state": False,
+    "context_fn": mirrored.activation_checkpoint_contexts,
+}
+
+
+def _train_checkpointed(checkpointed: bool) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Dropout(0.5), nn.Linear(32, 5))
+    with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
+        model, optimizer = strategy.mirror(module, torch.optim.SGD(module.parameters(), 0.1))
+
+        def step(batch):
+            x, y = batch
+            logits = checkpoint(model, x, **CHECKPOINT_OPTIONS) if checkpointed else model(x)
+            loss = F.cross_entropy(logits, y, reduction="none")
+            mirrored.compute_average_loss(loss).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        for batch in strategy.experimental_distribute_dataset(make_batches()):
+            strategy.run(step, args=(batch,))
+        return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_activation_checkpointing_recomputes_with_the_forward_s_dropout_masks():
+    plain, checkpointed = _train_checkpointed(False), _train_checkpointed(True)
+    for name, value in plain.items():
+        torch.testing.assert_close(checkpointed[name], value, rtol=1e-6, atol=1e-7)
+
+
+def _checkpoint_twice() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Two backwards through one checkpoint of dropout: their gradients and the forward."""
+    x = torch.ones(64, requires_grad=True)
+    y = checkpoint(lambda t: F.dropout(t, 0.5, True) * t, x, **CHECKPOINT_OPTIONS)
+    y.sum().backward(retain_graph=True)
+    first, x.grad = x.grad, None
+    y.sum().backward()  # recomputes again
+    return first, x.grad, y.detach()
+
+
+@pytest.mark.parametrize("where", ["outside a strategy", "one replica", "two replicas"])
+def test_every_backward_through_a_checkpoint_recomputes_the_forward_s_masks(where):
+    """Outside replica streams the context replays torch's own generators, so the same options
+    serve everywhere; and each backward recomputes from the forward's position again."""
+    torch.manual_seed(1)
+    if where == "outside a strategy":
+        results = [_checkpoint_twice()]
+    else:
+        devices = ["cpu:0", "cpu:1"][: 1 if where == "one replica" else 2]
+        with mirrored.MirroredStrategy(devices) as strategy:
+            results = strategy.experimental_local_results(strategy.run(_checkpoint_twice))
+    for first, second, y in results:
+        assert torch.equal(first, 2 * y) and torch.equal(second, 2 * y)  # d(m*t*t)/dt
+        assert 0 < (y == 0).sum() < 64
+
+
+def test_checkpoints_in_one_replica_leave_another_s_swapped_draws_alone():
+    """Replica 0 recomputes checkpoints while replica 1 swaps its stream into the global
+    generator (alpha dropout): replica 1 draws the same numbers in every run."""
+
+    def run() -> torch.Tensor:
+        torch.manual_seed(0)
+        with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
+
+            def step():
+                if mirrored.get_replica_context().replica_id_in_sync_group == 0:
+                    for _ in range(100):
+                        x = torch.ones(64, requires_grad=True)
+                        checkpoint(
+                            lambda t: F.dropout(t, 0.5, True), x, **CHECKPOINT_OPTIONS
+                        ).sum().backward()
+                    return torch.zeros(())
+                return torch.stack(
+                    [F.alpha_dropout(torch.ones(20_000), 0.5, True)[:8] for _ in range(100)]
+                )
+
+            return strategy.experimental_local_results(strategy.run(step))[1]
+
+    first = run()
+    assert all(torch.equal(run(), first) for _ in range(3))

@@ -11,6 +11,7 @@ import importlib
 from typing import Any
 
 from mirrored import callbacks, checkpoint, config, losses, metrics, optimizers, partitioners
+from mirrored.activation_checkpoint import activation_checkpoint_contexts
 from mirrored.buffer_sync import BufferAggregationWarning, set_buffer_aggregation
 from mirrored.cluster_resolver import (
     ClusterResolver,
@@ -50,7 +51,6 @@ from mirrored.multi_worker import (
 from mirrored.pipeline import PipelinedModule, PipelinedOptimizer, PipelineStrategy
 from mirrored.pipeline_split import balance_by_time
 from mirrored.powersgd import PowerSGD
-from mirrored.randomness import activation_checkpoint_contexts
 from mirrored.rendezvous import ReplicaAbortedError, SyncMismatchError, SyncTimeoutError
 from mirrored.strategy import Strategy
 from mirrored.training import Model

@@ -18,9 +18,10 @@ from mirrored.device_runtime import ReplicaDeviceRuntime, cap_process_memory
 from mirrored.input import PerReplicaShards
 from mirrored.load_balancing import LoadBalancing, ReplicaSpeeds
 from mirrored.local_sgd import LocalSGD
-from mirrored.randomness import ReplicaRandomness, StepSeed
+from mirrored.random_routing import ReplicaRandomness
 from mirrored.rendezvous import Rendezvous
 from mirrored.replica_workers import Outcome, ReplicaWorkers
+from mirrored.step_seeds import StepSeed
 from mirrored.strategy import Strategy, observe_backward
 from mirrored.values import flatten
 from mirrored.zero_redundancy import check_zero_stage

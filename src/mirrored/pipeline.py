@@ -54,9 +54,10 @@ from mirrored.pipeline_split import (
     parameter_costs,
     split_sequential,
 )
-from mirrored.randomness import ReplicaRandomness, StepSeed
+from mirrored.random_routing import ReplicaRandomness
 from mirrored.rendezvous import Rendezvous
 from mirrored.replica_workers import Outcome, ReplicaWorkers
+from mirrored.step_seeds import StepSeed
 from mirrored.strategy import Strategy
 from mirrored.values import PerReplica, flatten, map_structure
 

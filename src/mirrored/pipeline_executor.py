@@ -27,13 +27,14 @@ from torch import nn
 from mirrored.config import LogicalDevice
 from mirrored.device_runtime import ReplicaDeviceRuntime
 from mirrored.pipeline_schedule import Action, StageState, next_action
-from mirrored.randomness import ReplicaRandomness, StepSeed
+from mirrored.random_routing import ReplicaRandomness
 from mirrored.rendezvous import (
     Rendezvous,
     ReplicaAbortedError,
     SyncTimeoutError,
     caused_by_timeout,
 )
+from mirrored.step_seeds import StepSeed
 from mirrored.strategy import add_note
 from mirrored.values import flatten, map_structure
 

@@ -3,7 +3,7 @@ clipping, ``GradScaler`` and LR schedulers, wrapped where torch looks them up.
 
 Activation checkpointing (``torch.utils.checkpoint``) saves torch's global generators as a
 checkpoint's forward begins and restores them around each recomputation in backward; replicas
-draw from generators of their own (:mod:`mirrored.randomness`). ``checkpoint()`` reaches its
+draw from generators of their own (:mod:`mirrored.random_routing`). ``checkpoint()`` reaches its
 two implementations through its module's globals at every call: ``CheckpointFunction``
 (``use_reentrant=True``) and ``_checkpoint_without_reentrant_generator`` (``use_reentrant=False``).
 Both are replaced by wrappers that, inside a replica, turn torch's save and restore off (it would

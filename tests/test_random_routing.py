@@ -1,4 +1,5 @@
-"""Per-replica random streams: different across replicas, reproducible from the seed."""
+"""Per-replica random streams: each random op a replica issues draws from the replica's own
+generator, different across replicas and reproducible from the seed."""
 
 from __future__ import annotations
 
@@ -10,11 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils.checkpoint import checkpoint
 
 import mirrored
-from mirrored import randomness
-from mirrored.randomness import _cpu_attention, _cpu_dropout, _global_rng_lock
+from mirrored import random_routing
+from mirrored.step_seeds import global_generators_lock
 from tests.reference_loops import make_batches
 
 
@@ -34,15 +34,6 @@ def test_dropout_differs_across_replicas_and_repeats_with_the_seed():
     assert not torch.equal(first[0], first[1]) and not torch.equal(first[1], first[2])
     assert not torch.equal(first[0], second[0])  # the stream advances
     assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
-
-
-def test_a_step_without_random_ops_leaves_the_callers_random_stream_alone():
-    torch.manual_seed(3)
-    expected = torch.rand(4)
-    with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
-        torch.manual_seed(3)
-        strategy.run(lambda: torch.ones(3) * 2)
-        assert torch.equal(torch.rand(4), expected)
 
 
 RANDOM_OPS = {
@@ -198,7 +189,7 @@ def _checks_by_attribute(x):
 def test_a_function_whose_body_dispatches_anyway_runs_whole_on_the_replica_s_stream(
     monkeypatch,
 ):
-    monkeypatch.setitem(randomness._ROUTES, _checks_by_attribute, "_around")
+    monkeypatch.setitem(random_routing._ROUTES, _checks_by_attribute, "_around")
     with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
         torch.manual_seed(4)
         first = strategy.experimental_local_results(
@@ -244,66 +235,6 @@ def test_one_replica_draws_exactly_what_the_plain_loop_draws():
         assert torch.equal(strategy.run(lambda: F.dropout(torch.ones(32), 0.5, True)), expected)
 
 
-def _seeded(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
-def test_cpu_dropout_keeps_1_minus_p_of_the_elements_and_their_mean(p):
-    x = torch.full((1_000_000,), 3.0)
-    y = _cpu_dropout(x, p, False, False, _seeded(2))
-    kept = y != 0
-    assert abs(kept.double().mean().item() - (1 - p)) < 5 * (p * (1 - p) / x.numel()) ** 0.5
-    assert torch.allclose(y[kept], torch.tensor(3 / (1 - p)), rtol=1e-6, atol=0)
-    assert torch.equal(y, _cpu_dropout(x, p, False, False, _seeded(2)))  # the stream decides
-    assert not torch.equal(y, _cpu_dropout(x, p, False, False, _seeded(3)))
-
-
-def test_cpu_feature_dropout_drops_whole_channels_and_in_place_writes_the_input():
-    x = torch.ones(64, 50, 3, 3)
-    y = _cpu_dropout(x, 0.5, True, True, _seeded(0))
-    assert y is x
-    per_channel = y.flatten(2)
-    assert torch.equal(per_channel.amin(2), per_channel.amax(2))  # kept or dropped whole
-    assert 0.4 < (per_channel[..., 0] != 0).float().mean().item() < 0.6
-
-
-def test_cpu_dropout_s_gradient_is_its_mask():
-    x = torch.randn(1000, dtype=torch.float64, requires_grad=True)
-    y = _cpu_dropout(x, 0.25, False, False, _seeded(5))
-    y.sum().backward()
-    torch.testing.assert_close(x.grad, (y / x).detach())
-
-
-ATTENTION_CASES = {
-    "plain": {},
-    "bool mask": {"attn_mask": torch.rand(5, 6) > 0.3},
-    "float mask": {"attn_mask": torch.randn(2, 3, 5, 6)},
-    "a row masked out": {"attn_mask": torch.arange(6).expand(5, 6) < torch.arange(5)[:, None]},
-    "causal": {"is_causal": True},
-    "scale": {"scale": 0.3},
-    "grouped query": {"enable_gqa": True, "kv_heads": 1},
-}
-
-
-@pytest.mark.parametrize("case", sorted(ATTENTION_CASES))
-def test_cpu_attention_is_the_math_path_with_the_replica_s_dropout_mask(case):
-    options = dict(ATTENTION_CASES[case])
-    kv_heads = options.pop("kv_heads", 3)
-    generator = _seeded(4)
-    q = torch.randn(2, 3, 5, 8, generator=generator, dtype=torch.float64)
-    k, v = (torch.randn(2, kv_heads, 6, 8, generator=generator, dtype=torch.float64) for _ in "kv")
-    mask = options.pop("attn_mask", None)
-    args = (mask, 0.4, options.get("is_causal", False), options.get("scale"))
-    got = _cpu_attention(q, k, v, *args, options.get("enable_gqa", False), _seeded(1))
-    # The same mask drawn by hand on the weights torch computes without dropout (values = I).
-    eye = torch.eye(6, dtype=torch.float64).expand(2, kv_heads, 6, 6)
-    weights = F.scaled_dot_product_attention(q, k, eye, mask, **options)
-    if options.get("enable_gqa"):
-        v = v.repeat_interleave(3, -3)
-    torch.testing.assert_close(got, _cpu_dropout(weights, 0.4, False, False, _seeded(1)) @ v)
-
-
 def test_dropout_and_attention_take_no_process_wide_lock():
     """Replica 1 runs dropout and a training attention while replica 0 holds the lock the
     remaining swapped ops use: they do not wait for it."""
@@ -314,7 +245,7 @@ def test_dropout_and_attention_take_no_process_wide_lock():
     def step():
         if mirrored.get_replica_context().replica_id_in_sync_group == 0:
             assert seeded.wait(10)
-            with _global_rng_lock:
+            with global_generators_lock:
                 held.set()
                 return "waited", done.wait(10)
         torch.rand(1)  # the step's seed is drawn under the lock: draw it before
@@ -340,94 +271,12 @@ def test_dropout_and_attention_take_no_process_wide_lock():
     ],
 )
 def test_a_generator_of_the_caller_s_own_is_used_as_given(draw):
-    expected = draw(_seeded(21))
+    expected = draw(torch.Generator().manual_seed(21))
     with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
-        drawn = strategy.experimental_local_results(strategy.run(lambda: draw(_seeded(21))))
+        drawn = strategy.experimental_local_results(
+            strategy.run(lambda: draw(torch.Generator().manual_seed(21)))
+        )
     assert all(torch.equal(d, expected) for d in drawn)
-
-
-CHECKPOINT_OPTIONS = {
-    "use_reentrant": False,
-    "preserve_rng_state": False,
-    "context_fn": mirrored.activation_checkpoint_contexts,
-}
-
-
-def _train_checkpointed(checkpointed: bool) -> dict[str, torch.Tensor]:
-    torch.manual_seed(0)
-    module = nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Dropout(0.5), nn.Linear(32, 5))
-    with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
-        model, optimizer = strategy.mirror(module, torch.optim.SGD(module.parameters(), 0.1))
-
-        def step(batch):
-            x, y = batch
-            logits = checkpoint(model, x, **CHECKPOINT_OPTIONS) if checkpointed else model(x)
-            loss = F.cross_entropy(logits, y, reduction="none")
-            mirrored.compute_average_loss(loss).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-
-        for batch in strategy.experimental_distribute_dataset(make_batches()):
-            strategy.run(step, args=(batch,))
-        return {k: v.clone() for k, v in model.state_dict().items()}
-
-
-def test_activation_checkpointing_recomputes_with_the_forward_s_dropout_masks():
-    plain, checkpointed = _train_checkpointed(False), _train_checkpointed(True)
-    for name, value in plain.items():
-        torch.testing.assert_close(checkpointed[name], value, rtol=1e-6, atol=1e-7)
-
-
-def _checkpoint_twice() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Two backwards through one checkpoint of dropout: their gradients and the forward."""
-    x = torch.ones(64, requires_grad=True)
-    y = checkpoint(lambda t: F.dropout(t, 0.5, True) * t, x, **CHECKPOINT_OPTIONS)
-    y.sum().backward(retain_graph=True)
-    first, x.grad = x.grad, None
-    y.sum().backward()  # recomputes again
-    return first, x.grad, y.detach()
-
-
-@pytest.mark.parametrize("where", ["outside a strategy", "one replica", "two replicas"])
-def test_every_backward_through_a_checkpoint_recomputes_the_forward_s_masks(where):
-    """Outside replica streams the context replays torch's own generators, so the same options
-    serve everywhere; and each backward recomputes from the forward's position again."""
-    torch.manual_seed(1)
-    if where == "outside a strategy":
-        results = [_checkpoint_twice()]
-    else:
-        devices = ["cpu:0", "cpu:1"][: 1 if where == "one replica" else 2]
-        with mirrored.MirroredStrategy(devices) as strategy:
-            results = strategy.experimental_local_results(strategy.run(_checkpoint_twice))
-    for first, second, y in results:
-        assert torch.equal(first, 2 * y) and torch.equal(second, 2 * y)  # d(m*t*t)/dt
-        assert 0 < (y == 0).sum() < 64
-
-
-def test_checkpoints_in_one_replica_leave_another_s_swapped_draws_alone():
-    """Replica 0 recomputes checkpoints while replica 1 swaps its stream into the global
-    generator (alpha dropout): replica 1 draws the same numbers in every run."""
-
-    def run() -> torch.Tensor:
-        torch.manual_seed(0)
-        with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
-
-            def step():
-                if mirrored.get_replica_context().replica_id_in_sync_group == 0:
-                    for _ in range(100):
-                        x = torch.ones(64, requires_grad=True)
-                        checkpoint(
-                            lambda t: F.dropout(t, 0.5, True), x, **CHECKPOINT_OPTIONS
-                        ).sum().backward()
-                    return torch.zeros(())
-                return torch.stack(
-                    [F.alpha_dropout(torch.ones(20_000), 0.5, True)[:8] for _ in range(100)]
-                )
-
-            return strategy.experimental_local_results(strategy.run(step))[1]
-
-    first = run()
-    assert all(torch.equal(run(), first) for _ in range(3))
 
 
 @pytest.mark.parametrize("pass_", ["backward", "grad"])
@@ -458,71 +307,3 @@ def test_random_ops_in_backward_draw_from_the_replica_s_stream(pass_):
     assert not torch.equal(grads[0], grads[1])
     assert all(torch.equal(a, b) for a, b in zip(grads, again, strict=True))
     assert torch.equal(after, after_one_draw)
-
-
-def test_draws_from_the_caller_s_generator_during_a_step_are_kept():
-    """A prefetching input's augmentations draw from the global generator while replicas run:
-    the next step does not draw the same numbers again."""
-    torch.manual_seed(8)
-    expected = []
-    for _ in range(2):
-        expected.append(torch.rand(4))
-        torch.empty((), dtype=torch.int64).random_()  # the step's seed
-    with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
-        torch.manual_seed(8)
-
-        def step():
-            F.dropout(torch.ones(8), 0.5, True)
-            if mirrored.get_replica_context().replica_id_in_sync_group == 0:
-                return torch.rand(4, generator=torch.default_generator)
-            return None
-
-        drawn = [strategy.experimental_local_results(strategy.run(step))[0] for _ in range(2)]
-    assert all(torch.equal(d, e) for d, e in zip(drawn, expected, strict=True))
-
-
-def test_strategies_stepping_at_once_draw_streams_of_their_own():
-    torch.manual_seed(0)
-    meet = threading.Barrier(2)
-    drawn = {}
-
-    def step():
-        if mirrored.get_replica_context().replica_id_in_sync_group == 0:
-            meet.wait(timeout=30)  # both steps have begun before either claims its seed
-        return torch.rand(4)
-
-    def train(name, strategy):
-        drawn[name] = strategy.experimental_local_results(strategy.run(step))
-
-    with (
-        mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as a,
-        mirrored.MirroredStrategy(["cpu:2", "cpu:3"]) as b,
-    ):
-        threads = [threading.Thread(target=train, args=item) for item in (("a", a), ("b", b))]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-    after = torch.get_rng_state()
-    assert len({tuple(t.tolist()) for t in (*drawn["a"], *drawn["b"])}) == 4
-    torch.manual_seed(0)
-    torch.empty(2, dtype=torch.int64).random_()  # one draw for each step's seed
-    assert torch.equal(after, torch.get_rng_state())
-
-
-def test_the_caller_s_generator_is_left_alone_while_replicas_run_and_takes_one_draw_after():
-    """Replicas read the step's seed from a copy: torch's own saves and restores of the global
-    generator in replica threads (checkpoint's preserve_rng_state) cannot undo the draw."""
-    torch.manual_seed(8)
-    before = torch.get_rng_state()
-    torch.empty((), dtype=torch.int64).random_()
-    after_one_draw = torch.get_rng_state()
-    with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
-        torch.manual_seed(8)
-
-        def step():
-            F.dropout(torch.ones(8), 0.5, True)
-            return torch.equal(torch.get_rng_state(), before)
-
-        assert all(strategy.experimental_local_results(strategy.run(step)))
-        assert torch.equal(torch.get_rng_state(), after_one_draw)
