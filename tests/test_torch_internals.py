@@ -1,10 +1,13 @@
-"""The torch internals mirrored reaches: each recognised on the torch CI tests, and a clear error or
-the documented fallback where one is missing."""
+"""The torch internals mirrored reaches: each recognised on the torch CI tests, a clear error or
+the documented fallback where one is missing, and one warning on an untested torch release."""
 
 from __future__ import annotations
 
 import functools
+import subprocess
+import sys
 import types
+import warnings
 
 import pytest
 import torch
@@ -13,13 +16,64 @@ import torch.utils.checkpoint
 from mirrored import _torch_internals
 
 
-def test_every_internal_is_recognised_on_the_installed_torch():
+def test_the_installed_torch_is_the_tested_release_and_every_internal_is_recognised():
+    assert _torch_internals.untested_torch(torch.__version__) is None
     assert _torch_internals.unrecognised_checkpoint(torch.utils.checkpoint) is None
     assert _torch_internals.unrecognised_clipping(torch.nn.utils.clip_grad) is None
     assert _torch_internals._elastic_agent_recognised()
     assert len(_torch_internals.PRIVATE_SAMPLERS) == 2
     for accessor in ("will_engine_execute_node", "amp_unscale_and_check_", "foreach_mul_"):
         assert getattr(_torch_internals, accessor).__name__ != "missing", accessor
+
+
+@pytest.mark.parametrize("version", ["2.13.0", "2.13.0+cpu", "2.13.1+cu128", "2.13.0a0+git1234"])
+def test_any_build_of_the_tested_release_is_tested(version):
+    assert _torch_internals.untested_torch(version) is None
+
+
+@pytest.mark.parametrize("version", ["2.12.1", "2.14.0+cpu", "3.0.0", "nightly"])
+def test_another_release_is_untested_and_the_message_names_both(version):
+    message = _torch_internals.untested_torch(version)
+    assert message is not None
+    assert f"torch {version} is installed" in message and "tested with torch 2.13.x" in message
+
+
+def test_an_untested_torch_warns_once_a_process(monkeypatch):
+    monkeypatch.setattr(torch, "__version__", "2.14.0")
+    monkeypatch.setattr(_torch_internals, "_warned_untested", False)
+    with pytest.warns(UserWarning, match=r"tested with torch 2\.13\.x, and torch 2\.14\.0 is"):
+        _torch_internals.warn_if_untested_torch()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _torch_internals.warn_if_untested_torch()
+    assert caught == []
+
+
+# Imports mirrored in a fresh process (on the torch version given, if any) and prints the
+# untested-torch warnings the import gave, with the file each points at.
+_IMPORT = """
+import sys, warnings
+import torch
+if len(sys.argv) > 1:
+    torch.__version__ = sys.argv[1]
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import mirrored
+print([(w.filename, str(w.message)) for w in caught if "tested with torch" in str(w.message)])
+"""
+
+
+@pytest.mark.parametrize("version", [None, "2.14.0"], ids=["installed", "untested"])
+def test_import_mirrored_warns_only_on_an_untested_torch_at_the_import(version):
+    argv = [sys.executable, "-c", _IMPORT] + ([version] if version else [])
+    result = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=120)
+    seen = eval(result.stdout.strip().splitlines()[-1])
+    if version is None:
+        assert seen == []
+    else:
+        [(filename, message)] = seen
+        assert filename == "<string>"  # the user's `import mirrored`, not mirrored's code
+        assert "torch 2.14.0 is installed" in message
 
 
 def test_a_missing_internal_fails_where_it_is_used_naming_it_and_the_tested_release():

@@ -11,6 +11,7 @@ import importlib
 from typing import Any
 
 from mirrored import callbacks, checkpoint, config, losses, metrics, optimizers, partitioners
+from mirrored._torch_internals import warn_if_untested_torch as _warn_if_untested_torch
 from mirrored.activation_checkpoint import activation_checkpoint_contexts
 from mirrored.buffer_sync import BufferAggregationWarning, set_buffer_aggregation
 from mirrored.cluster_resolver import (
@@ -57,6 +58,8 @@ from mirrored.training import Model
 from mirrored.values import PerReplica, ReduceOp, VariableAggregation
 
 __version__ = "0.1.0"
+
+_warn_if_untested_torch()  # one UserWarning on a torch release CI does not test
 
 __all__ = [
     "BufferAggregationWarning",

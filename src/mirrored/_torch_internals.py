@@ -10,14 +10,17 @@ signature or code has the form this was written for), that it can: where it cann
 raises an error that names the missing piece, or takes the fallback its docstring gives. Lightning
 Fabric's ``utilities/imports.py`` checks torch the same way.
 
-Written against torch 2.13, the release CI tests (``TESTED_TORCH``).
+Written against torch 2.13, the release CI tests (``TESTED_TORCH``); ``import mirrored`` on any
+other release gives one ``UserWarning`` (:func:`warn_if_untested_torch`).
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import re
 import sys
+import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from types import CodeType, FrameType, FunctionType, ModuleType
@@ -43,11 +46,44 @@ __all__ = [
     "safe_softmax",
     "unrecognised_checkpoint",
     "unrecognised_clipping",
+    "untested_torch",
+    "warn_if_untested_torch",
     "will_engine_execute_node",
 ]
 
 # The torch release CI installs (scripts/test.sh pins torch==2.13.0), as (major, minor).
 TESTED_TORCH = (2, 13)
+
+
+def _release(version: str) -> tuple[int, int] | None:
+    """``"2.13.0+cpu"`` -> ``(2, 13)``; None for a version string of another form."""
+    found = re.match(r"(\d+)\.(\d+)", version)
+    return (int(found[1]), int(found[2])) if found else None
+
+
+def untested_torch(version: str) -> str | None:
+    """The warning for torch ``version`` when it is not a release CI tests; None when it is."""
+    if _release(version) == TESTED_TORCH:
+        return None
+    tested = ".".join(map(str, TESTED_TORCH))
+    return (
+        f"mirrored is tested with torch {tested}.x, and torch {version} is installed: mirrored "
+        "reaches into torch internals that change between releases (each is checked where it is "
+        f"used, but not every behaviour can be); install torch=={tested}.* for tested results"
+    )
+
+
+_warned_untested = False
+
+
+def warn_if_untested_torch() -> None:
+    """One ``UserWarning`` a process when the installed torch is not the release CI tests;
+    ``import mirrored`` calls it, and the warning points at the caller's import."""
+    global _warned_untested
+    message = untested_torch(torch.__version__)
+    if message is not None and not _warned_untested:
+        _warned_untested = True
+        warnings.warn(message, UserWarning, stacklevel=3)
 
 
 def _required(owner: object, where: str, name: str, purpose: str) -> Callable[..., Any]:
