@@ -81,10 +81,22 @@ def _is_namedtuple(value: Any) -> bool:
     return isinstance(value, tuple) and hasattr(value, "_fields")
 
 
+# Types that are always leaves, told apart by one lookup (every step maps its arguments several
+# times: a batch's tensors and the step's numbers, None and small objects).
+_PLAIN_LEAVES = frozenset({torch.Tensor, int, float, bool, str, type(None), PerReplica})
+
+
 def map_structure(fn: Callable[..., Any], *structures: Any) -> Any:
     """Apply ``fn`` to the leaves of same-shaped nested structures, keeping the shape."""
     first = structures[0]
-    if isinstance(first, torch.Tensor):  # the usual leaf, first: fit maps every batch
+    kind = type(first)
+    if kind in _PLAIN_LEAVES:
+        return fn(*structures)
+    if kind is list or kind is tuple:
+        if len(structures) == 1:
+            return kind([map_structure(fn, part) for part in first])
+        return kind([map_structure(fn, *parts) for parts in zip(*structures, strict=True)])
+    if isinstance(first, torch.Tensor):  # tensor subclasses (nn.Parameter, ...)
         return fn(*structures)
     if isinstance(first, dict):
         pairs = [(k, map_structure(fn, *(s[k] for s in structures))) for k in first]
