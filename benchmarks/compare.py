@@ -106,7 +106,6 @@ import argparse
 import dataclasses
 import functools
 import importlib.util
-import json
 import math
 import os
 import resource
@@ -138,8 +137,10 @@ from overhead import (
     Peer,
     free_port,
     machine_description,
+    settings_of,
     time_mirrored,
     time_plain,
+    write_report,
 )
 from torch import nn
 
@@ -1191,25 +1192,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     predictions = predict_gpus(summaries, args.gpu_speedup, args.compute_ms)
     if args.png:
         write_png(args.png, summaries)
-    if args.json:
-        report = {
-            "machine": machine,
-            "settings": {
-                key: value for key, value in vars(args).items() if key not in ("json", "png")
-            },
-            "warmup_steps": WARMUP_STEPS,
-            "batch_sizes": {name: SPECS[name].batch_size for name in args.workloads},
-            "results": results,
-            "summary": summaries,
-            "verdicts": found,
-            "link_sizes": LINK_SIZES,
-            "link_medians_s": medians,
-            "links": {path: dataclasses.asdict(link) for path, link in links.items()},
-            "cpu_checks": checks,
-            "gpu_predictions": predictions,
-        }
-        with open(args.json, "w") as file:
-            json.dump(report, file, indent=1)
+    write_report(
+        args.json,
+        machine,
+        {**settings_of(args, "json", "png"), "warmup_steps": WARMUP_STEPS},
+        batch_sizes={name: SPECS[name].batch_size for name in args.workloads},
+        results=results,
+        summary=summaries,
+        verdicts=found,
+        link_sizes=LINK_SIZES,
+        link_medians_s=medians,
+        links={path: dataclasses.asdict(link) for path, link in links.items()},
+        cpu_checks=checks,
+        gpu_predictions=predictions,
+    )
 
 
 if __name__ == "__main__":

@@ -38,7 +38,6 @@ a 2-core machine); ``--steps``, ``--rounds``, ``--batch-size``, ``--json PATH``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -57,8 +56,10 @@ from overhead import (
     machine_description,
     make_batches,
     make_model,
+    settings_of,
     time_mirrored,
     time_plain,
+    write_report,
 )
 
 import mirrored
@@ -251,20 +252,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"load average (1 min) at the end: {os.getloadavg()[0]:.2f}; "
         f"rounds took {time.perf_counter() - started:.0f} s"
     )
-    if args.json:
-        report = {
-            "machine": machine,
-            "settings": {
-                "steps": args.steps,
-                "rounds": args.rounds,
-                "batch_size": args.batch_size,
-                "warmup_steps": WARMUP_STEPS,
-            },
-            "seconds": times,
-            "ratios": rows,
-        }
-        with open(args.json, "w") as file:
-            json.dump(report, file, indent=2)
+    settings = {**settings_of(args, "json"), "warmup_steps": WARMUP_STEPS}
+    write_report(args.json, machine, settings, seconds=times, ratios=rows)
 
 
 if __name__ == "__main__":

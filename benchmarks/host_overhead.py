@@ -76,7 +76,6 @@ import dataclasses
 import functools
 import gc
 import itertools
-import json
 import os
 import statistics
 import threading
@@ -101,7 +100,17 @@ from compare import gradient_tensor_bytes as full_size_gradient_bytes
 from mirrored.examples.bert_mlm import BertMaskedLM
 from multi_worker import Workload, bert_loss, make_bert_batches, mlp_loss
 from multi_worker import train_step as phased_step
-from overhead import LEARNING_RATE, SEED, WARMUP_STEPS, Clock, Peer, free_port, machine_description
+from overhead import (
+    LEARNING_RATE,
+    SEED,
+    WARMUP_STEPS,
+    Clock,
+    Peer,
+    free_port,
+    machine_description,
+    settings_of,
+    write_report,
+)
 from torch import nn
 from torch.autograd.profiler_util import FunctionEvent
 
@@ -698,18 +707,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"load average (1 min) at the start {machine['load_average_1min']:.2f}, end "
         f"{machine['load_average_1min_end']:.2f}"
     )
-    if args.json:
-        report = {
-            "machine": machine,
-            "settings": {key: value for key, value in vars(args).items() if key != "json"},
-            "results": results,
-            "summary": summaries,
-            "floor_s": floors,
-            "full_size_phases_ms": phases,
-            "gpu_predictions": predictions,
-        }
-        with open(args.json, "w") as file:
-            json.dump(report, file, indent=1)
+    write_report(
+        args.json,
+        machine,
+        settings_of(args, "json"),
+        results=results,
+        summary=summaries,
+        floor_s=floors,
+        full_size_phases_ms=phases,
+        gpu_predictions=predictions,
+    )
 
 
 if __name__ == "__main__":

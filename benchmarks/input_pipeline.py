@@ -21,7 +21,6 @@ Run from the repository root: ``python benchmarks/input_pipeline.py [--json resu
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Iterator, Sequence
@@ -34,6 +33,8 @@ from overhead import (
     make_batches,
     make_model,
     mlp_replica_step,
+    settings_of,
+    write_report,
 )
 
 import mirrored
@@ -134,9 +135,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"{row['vs_free']:>7.3f}x {row['input_wait_share']:>10.1%}"
         )
     print("vs free: best to best against batches that cost nothing to read; input wait: median")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": machine_description(), "args": vars(args), "rows": rows}, f)
+    write_report(args.json, machine_description(), settings_of(args, "json"), rows=rows)
 
 
 if __name__ == "__main__":

@@ -70,7 +70,6 @@ import argparse
 import dataclasses
 import functools
 import gc
-import json
 import os
 import statistics
 import subprocess
@@ -94,6 +93,8 @@ from overhead import (
     machine_description,
     make_batches,
     make_model,
+    settings_of,
+    write_report,
 )
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -522,9 +523,8 @@ def worker(args: argparse.Namespace) -> None:
             )
             for name in names
         }
-        if args.json and dist.get_rank() == 0:
-            with open(args.json, "w") as file:
-                json.dump({"machine": machine, "settings": vars(args), "results": results}, file)
+        if dist.get_rank() == 0:
+            write_report(args.json, machine, settings_of(args, "json"), results=results)
     finally:
         for strategy in reversed(strategies.values()):  # the group's owner last
             strategy.close()

@@ -35,6 +35,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -356,6 +357,23 @@ def start_benchmark(settings: str, logical_devices: int) -> dict[str, Any]:
     return machine
 
 
+def write_report(
+    path: str | None, machine: dict[str, Any], settings: dict[str, Any], **results: Any
+) -> None:
+    """``--json PATH``: one run's machine, settings and results as one JSON file (nothing when
+    ``path`` is None), with the load average at the end beside the one at the start."""
+    if path is None:
+        return
+    report = {"machine": machine, "settings": settings, **results}
+    report["load_average_after"] = os.getloadavg()[0]
+    Path(path).write_text(json.dumps(report, indent=1, default=str))
+
+
+def settings_of(args: argparse.Namespace, *left_out: str) -> dict[str, Any]:
+    """A run's command-line settings, but those named (output paths, a worker's own flags)."""
+    return {key: value for key, value in vars(args).items() if key not in left_out}
+
+
 def machine_description() -> dict[str, Any]:
     """What the figures depend on; the load average shows whether something else was running."""
     return {
@@ -471,20 +489,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     rows = summarize(times, args.steps)
     mirrored_over_ddp = min(times["ddp-2"]) / min(times["mirrored-2"])
     print_table(rows, args.steps, mirrored_over_ddp)
-    if args.json:
-        report = {
-            "machine": machine,
-            "settings": {
-                "steps": args.steps,
-                "rounds": args.rounds,
-                "batch_size": args.batch_size,
-                "warmup_steps": WARMUP_STEPS,
-            },
-            "results": rows,
-            "mirrored_2_over_ddp_2": mirrored_over_ddp,
-        }
-        with open(args.json, "w") as file:
-            json.dump(report, file, indent=2)
+    write_report(
+        args.json,
+        machine,
+        {**settings_of(args, "json"), "warmup_steps": WARMUP_STEPS},
+        results=rows,
+        mirrored_2_over_ddp_2=mirrored_over_ddp,
+    )
 
 
 if __name__ == "__main__":

@@ -73,7 +73,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 # Run as a script, this file's folder is on sys.path: the model and data come from overhead.py.
-from overhead import free_port, machine_description, make_batches, make_model
+from overhead import (
+    free_port,
+    machine_description,
+    make_batches,
+    make_model,
+    settings_of,
+    write_report,
+)
 from torch import nn
 
 import mirrored
@@ -418,14 +425,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     summary = summarize(records)
     print_summary(summary, args.straggler_ms)
     print(f"wall time {time.monotonic() - start:.0f} s")
-    if args.json:
-        settings = {k: v for k, v in vars(args).items() if k not in ("task", "out")}
-        with open(args.json, "w") as file:
-            json.dump(
-                {"machine": machine, "settings": settings, "records": records, **summary},
-                file,
-                indent=1,
-            )
+    settings = settings_of(args, "task", "out", "json")
+    write_report(args.json, machine, settings, records=records, **summary)
 
 
 if __name__ == "__main__":

@@ -49,7 +49,6 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
-import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -59,7 +58,7 @@ import torch
 import torch.nn.functional as F
 
 # Run as a script, this file's folder is on sys.path: the machine description is overhead.py's.
-from overhead import SEED, machine_description
+from overhead import SEED, machine_description, settings_of, write_report
 from torch import nn
 
 import mirrored
@@ -451,27 +450,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"micro-batches, global batch {args.memory_batch_size}; peak over {args.steps} steps"
     )
     print_memory(memory)
-    if args.json:
-        report = {
-            "machine": machine,
-            "settings": {
-                key: getattr(args, key)
-                for key in (
-                    "steps",
-                    "warmup",
-                    "stages",
-                    "microbatches",
-                    "forward_ms",
-                    "backward_ms",
-                    "mlp_batch_size",
-                    "memory_batch_size",
-                )
-            },
-            "bubble": bubbles,
-            "memory": memory,
-        }
-        with open(args.json, "w") as file:
-            json.dump(report, file, indent=2)
+    write_report(args.json, machine, settings_of(args, "json"), bubble=bubbles, memory=memory)
 
 
 if __name__ == "__main__":

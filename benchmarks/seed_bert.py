@@ -87,7 +87,7 @@ from mirrored.examples.bert_mlm import (
     load_texts,
     train_tokenizer,
 )
-from overhead import machine_description
+from overhead import machine_description, settings_of, write_report
 
 import mirrored
 from mirrored import config
@@ -549,15 +549,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         details = {key: record[key] for key in DETAILS if key in record}
         if details:
             print(f"  {side}: {details}")
-    if args.json:
-        report = {
-            "machine": machine,
-            "settings": {k: str(v) for k, v in vars(args).items() if k not in ("side", "job")},
-            "rounds": rounds,
-            "summary": summaries,
-            "load_average_after": os.getloadavg()[0],
-        }
-        Path(args.json).write_text(json.dumps(report, indent=1))
+    settings = settings_of(args, "side", "job", "json")
+    write_report(args.json, machine, settings, rounds=rounds, summary=summaries)
 
 
 if __name__ == "__main__":

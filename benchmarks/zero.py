@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import statistics
 from collections.abc import Callable, Sequence
@@ -73,8 +72,10 @@ from overhead import (
     make_batches,
     make_model,
     mlp_replica_step,
+    settings_of,
     start_benchmark,
     timed_loop,
+    write_report,
 )
 from torch import nn
 
@@ -329,15 +330,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     split = [(r["setting"], r["stage"]) for r in rows if r["max_replica_spread"] > 0]
     if split:
         print(f"replicas ended with different parameters (setting, stage): {split}")
-    if args.json:
-        report = {
-            "machine": machine,
-            "settings": {key: value for key, value in vars(args).items() if key != "json"},
-            "warmup_steps": WARMUP_STEPS,
-            "results": rows,
-        }
-        with open(args.json, "w") as file:
-            json.dump(report, file, indent=1)
+    settings = {**settings_of(args, "json"), "warmup_steps": WARMUP_STEPS}
+    write_report(args.json, machine, settings, results=rows)
 
 
 if __name__ == "__main__":
