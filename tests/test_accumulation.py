@@ -199,7 +199,8 @@ def test_fit_with_accumulation_equals_fit_on_the_larger_batch(precision: str) ->
     # 1.1e-3 away from one device here too); a wrongly scaled window would be far off.
     atol = 1e-6 if precision == "32" else 5e-3
     assert_same_parameters(expected.module, actual.module, atol=atol)
-    assert actual._loss_scale.scale == expected._loss_scale.scale  # moved once per update
+    # the loss scale moved once per update
+    assert actual._progress.loss_scale.scale == expected._progress.loss_scale.scale
 
 
 def test_a_float16_overflow_at_a_window_s_end_skips_its_update_and_drops_it() -> None:
@@ -214,15 +215,15 @@ def test_a_float16_overflow_at_a_window_s_end_skips_its_update_and_drops_it() ->
                 loss=mirrored.losses.SparseCategoricalCrossentropy(from_logits=True),
                 precision="16-mixed",
             )
-        model._loss_scale = mirrored.training.loss_scale.LossScale(scale=1e38)  # overflows
+        model._progress.loss_scale = mirrored.training.loss_scale.LossScale(scale=1e38)  # overflows
         before = {k: v.clone() for k, v in model.state_dict().items()}
         model.fit(x[:32], y[:32], batch_size=16, shuffle=False, verbose=0)  # one window
         for name, value in model.state_dict().items():
             assert torch.equal(value, before[name]), f"{name} changed in a skipped window"
-        assert model._loss_scale.scale == 1e38 / 2  # halved once, at the window's end
+        assert model._progress.loss_scale.scale == 1e38 / 2  # halved once, at the window's end
         assert not model._optimizer.step_updates  # a new window begins
         for replica in model._replicas.replicas:
             assert all(p.grad is None for p in replica.parameters())
-        model._loss_scale = mirrored.training.loss_scale.LossScale()  # finite from here on
+        model._progress.loss_scale = mirrored.training.loss_scale.LossScale()  # finite from here on
         model.fit(x[32:], y[32:], batch_size=16, shuffle=False, verbose=0)
         assert any(not torch.equal(v, before[k]) for k, v in model.state_dict().items())

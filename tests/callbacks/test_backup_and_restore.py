@@ -190,7 +190,7 @@ def test_a_backup_that_does_not_fit_the_model_restores_nothing(tmp_path: Path) -
             model.fit(*dataset(), batch_size=16, verbose=0, callbacks=[early, backup])
         assert early.state_dict() == fresh
         assert_identical(weights, model.state_dict())
-        assert model._iterations == 0
+        assert model._progress.iterations == 0
 
 
 def test_a_damaged_backup_is_refused_naming_the_part(tmp_path: Path) -> None:

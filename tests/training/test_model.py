@@ -318,13 +318,13 @@ def test_float16_overflow_skips_the_update_on_every_replica() -> None:
     x, y, _ = data()
     with strategy_for(2) as strategy:
         model = compiled(strategy, make_mlp(FEATURES, CLASSES), precision="16-mixed")
-        model._loss_scale = mirrored.training.loss_scale.LossScale(scale=1e38)  # overflows
+        model._progress.loss_scale = mirrored.training.loss_scale.LossScale(scale=1e38)  # overflows
         before = copy.deepcopy(model.state_dict())
         model.fit(x[:BATCH], y[:BATCH], batch_size=BATCH, verbose=0)
         for name, value in model.state_dict().items():
             assert torch.equal(value, before[name]), f"{name} changed in a skipped step"
         assert_replicas_identical(model._replicas)
-    assert model._loss_scale.scale == 1e38 / 2
+    assert model._progress.loss_scale.scale == 1e38 / 2
 
 
 def test_save_and_load_weights(tmp_path: Path) -> None:
@@ -340,7 +340,7 @@ def test_save_and_load_weights(tmp_path: Path) -> None:
         assert_replicas_identical(other._replicas)
         restored = compiled(strategy, make_mlp(FEATURES, CLASSES, seed=8))
         restored.load(tmp_path / "full.pt")
-        assert restored._iterations == model._iterations
+        assert restored._progress.iterations == model._progress.iterations
         assert_same_parameters(model.module, restored.module, rtol=0, atol=0)
     saved = torch.load(tmp_path / "weights.pt", weights_only=True)
     assert set(saved) == set(model.state_dict())

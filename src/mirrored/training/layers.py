@@ -1,4 +1,4 @@
-"""``Model.get_layer``: Keras's handle on one layer, whose ``trainable`` flag reaches every replica.
+"""``Model.get_layer`` and ``Model.summary``: Keras's view of a model's layers, on every replica.
 
 Keras users freeze a layer with ``model.get_layer("encoder").trainable = False``. Here a layer is a
 submodule of the model's module, named as ``named_modules`` names it; the handle finds it in
@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 from torch import nn
 
-__all__ = ["Layer", "find_layer"]
+__all__ = ["Layer", "find_layer", "layer_table"]
 
 
 class _Replicated(Protocol):
@@ -90,3 +90,28 @@ def find_layer(model: _Replicated, module: nn.Module, name: str | None, index: i
             "'encoder.layer.0')"
         )
     return Layer(model, name)
+
+
+def layer_table(module: nn.Module, where: Any) -> str:
+    """``Model.summary``'s table: ``module``'s top-level layers and their parameter counts, and
+    the totals, headed by the module's class and ``where`` it runs (its strategy)."""
+    rows = [("Layer (type)", "Param #")]
+    for name, child in module.named_children():
+        count = sum(p.numel() for p in child.parameters())
+        rows.append((f"{name} ({type(child).__name__})", f"{count:,}"))
+    total = sum(p.numel() for p in module.parameters())
+    trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    size = sum(p.numel() * p.element_size() for p in module.parameters())
+    width = max(len(r[0]) for r in rows) + 4
+    rule = "=" * (width + 14)
+    lines = [f'Model: "{type(module).__name__}" on {where}', rule]
+    lines += [f"{left:<{width}}{right:>14}" for left, right in rows[:1]]
+    lines += [rule]
+    lines += [f"{left:<{width}}{right:>14}" for left, right in rows[1:]]
+    lines += [
+        rule,
+        f"Total params: {total:,} ({size / 2**20:.2f} MiB)",
+        f"Trainable params: {trainable:,}",
+        f"Non-trainable params: {total - trainable:,}",
+    ]
+    return "\n".join(lines)

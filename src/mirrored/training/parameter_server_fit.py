@@ -1,4 +1,5 @@
-"""``Model.fit`` on a ``ParameterServerStrategy``: TensorFlow's fit with a ``ClusterCoordinator``.
+"""``Model``'s training loop on a ``ParameterServerStrategy``: TensorFlow's fit with a
+``ClusterCoordinator``.
 
 Every training step is a function the coordinator schedules. A worker runs the compiled train
 step (``Steps.train``) on the next batch of its own dataset, on its copy of the model as pulled
@@ -14,8 +15,9 @@ fixed when it is scheduled and travels with its gradients:
 - an ``lr_scheduler`` steps once per scheduled step;
 - a callback may set ``model.learning_rate``.
 
-Validation, ``evaluate`` and ``predict`` run on the coordinator, on the ps tasks' current
-parameters (``Model`` pulls them first, and at the end of fit).
+Validation, ``evaluate`` and ``predict`` run on the coordinator's copy of the model, on the ps
+tasks' current parameters (pulled first, and at the end of fit); ``Model.save`` and ``load`` go
+through the coordinator's checkpoints.
 """
 
 from __future__ import annotations
@@ -23,92 +25,153 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import os
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
+from torch import nn
 
 from mirrored.callbacks.backup_and_restore import BackupAndRestore
-from mirrored.callbacks.history import History
-from mirrored.cluster_coordinator import RemoteValue
+from mirrored.cluster_coordinator import ClusterCoordinator, RemoteValue
 from mirrored.input import InputContext
+from mirrored.parameter_server import ParameterServerStrategy
+from mirrored.strategy import default_strategy
 from mirrored.training.data_adapter import DataAdapter, _is_array_structure, unpack_batch
+from mirrored.training.lazy_build import has_lazy_parameters
+from mirrored.training.loop import FitRequest, FitRun
 from mirrored.training.loss_scale import LossScale
+from mirrored.training.saved_state import ModelParts
 from mirrored.training.steps import Steps
 from mirrored.values import flatten, map_structure
 
-__all__ = ["fit", "train_step"]
+__all__ = ["ParameterServerLoop", "train_step"]
 
 
-def fit(
-    model: Any,
-    x: Any,
-    y: Any,
-    batch_size: int | None,
-    epochs: int,
-    verbose: int,
-    callbacks: Any,
-    validation: Any,
-    validate_at: Callable[[int], bool],
-    shuffle: bool,
-    initial_epoch: int,
-    steps_per_epoch: int | None,
-    sample_weight: Any,
-) -> History:
-    """Model.fit's loop for a ParameterServerStrategy (``model`` is the ``mirrored.Model``;
-    its arguments are checked there)."""
-    steps = model._compiled()
-    if steps_per_epoch is None:
+class ParameterServerLoop:
+    """The ``TrainingLoop`` of a ``ParameterServerStrategy``: fit's steps on the workers,
+    everything else on the coordinator's copy of the model (the default strategy)."""
+
+    def __init__(self, strategy: ParameterServerStrategy) -> None:
+        self.strategy = strategy
+        self.local_strategy = default_strategy()
+        self._coordinator: ClusterCoordinator | None = None
+
+    @property
+    def coordinator(self) -> ClusterCoordinator:
+        """The strategy's coordinator, created on first use."""
+        if self._coordinator is None:
+            self._coordinator = ClusterCoordinator(self.strategy)
+        return self._coordinator
+
+    def check_compile(self, module: nn.Module) -> None:
+        if has_lazy_parameters(module):
+            raise ValueError(
+                "the module has lazy parameters, which a ParameterServerStrategy cannot build on "
+                "its workers; call the module once on an example batch before compile()"
+            )
+
+    def own_module(self, replicas: Any, module: nn.Module) -> nn.Module:
+        return replicas.module
+
+    def pull(self, replicas: Any) -> None:
+        if replicas is not None:
+            replicas.pull()
+
+    # -- fit ---------------------------------------------------------------------------------------
+    def fit(
+        self, request: FitRequest, start: Callable[[int | None], AbstractContextManager[FitRun]]
+    ) -> None:
+        steps_per_epoch = _check_fit(request)
+        dataset = self.coordinator.create_per_worker_dataset(
+            functools.partial(
+                worker_batches,
+                request.x,
+                request.y,
+                request.sample_weight,
+                request.batch_size,
+                request.shuffle,
+            )
+        )
+        iterator = iter(dataset)
+        with start(steps_per_epoch) as run:
+            on_worker = dataclasses.replace(run.steps, schedule=None, lr_scheduler=None)
+            run.callbacks.on_train_begin()
+            epoch_logs: dict[str, Any] = {}
+            for epoch in range(request.initial_epoch, request.epochs):
+                run.begin_epoch(epoch)
+                self._train_epoch(run, on_worker, iterator, steps_per_epoch)
+                epoch_logs = run.logs()
+                run.end_epoch(epoch, epoch_logs)
+                if run.stop_training:
+                    break
+            self.pull(run.steps.module)  # the module here ends with the trained parameters
+            run.callbacks.on_train_end(epoch_logs)
+
+    def _train_epoch(
+        self, run: FitRun, on_worker: Steps, iterator: Any, steps_per_epoch: int
+    ) -> None:
+        """Schedule an epoch's steps, reporting each as it comes back; then wait for all."""
+        results: collections.deque[tuple[int, RemoteValue]] = collections.deque()
+        for step in range(steps_per_epoch):
+            run.callbacks.on_train_batch_begin(step)
+            hyperparameters = _hyperparameters_of_next_step(run)
+            value = self.coordinator.schedule(train_step, (on_worker, iterator, hyperparameters))
+            results.append((step, value))
+            _report(run, results, wait=False)
+            if run.stop_training:
+                break
+        self.coordinator.join()
+        _report(run, results, wait=True)
+
+    # -- saving ------------------------------------------------------------------------------------
+    def save(self, parts: ModelParts, filepath: str | os.PathLike[str]) -> None:
+        """The coordinator's checkpoint of this model alone on the ps tasks."""
+        scheduler = parts.steps.lr_scheduler
+        metadata = {
+            "iterations": parts.progress.iterations,
+            "lr_scheduler": None if scheduler is None else scheduler.state_dict(),
+        }
+        self.coordinator.save(filepath, metadata, [parts.replicas])
+
+    def load(self, parts: ModelParts, filepath: str | os.PathLike[str]) -> None:
+        metadata = self.coordinator.restore(filepath, [parts.replicas])
+        parts.progress.iterations = int(metadata.get("iterations", 0))
+        scheduler = parts.steps.lr_scheduler
+        if scheduler is not None and metadata.get("lr_scheduler") is not None:
+            scheduler.load_state_dict(metadata["lr_scheduler"])
+        self.pull(parts.replicas)
+
+    def load_weights(self, replicas: Any, module: nn.Module, weights: Any, source: str) -> None:
+        self.coordinator.load_weights(replicas, weights)
+        self.pull(replicas)
+
+
+def _check_fit(request: FitRequest) -> int:
+    """Refuse, on the coordinator, what fit cannot do here; the steps of an epoch."""
+    if request.steps_per_epoch is None:
         raise ValueError(
             "fit() on a ParameterServerStrategy needs steps_per_epoch: every worker repeats its "
             "own dataset, so an epoch is a number of steps (as in TensorFlow)"
         )
-    if any(isinstance(c, BackupAndRestore) for c in callbacks or []):
+    if any(isinstance(c, BackupAndRestore) for c in request.callbacks or []):
         raise ValueError(
             "BackupAndRestore does not run on a ParameterServerStrategy; save with "
             "ModelCheckpoint (Model.save writes the ps tasks' state through the coordinator) "
             "and resume with Model.load"
         )
-    check_input(x, y, sample_weight, batch_size)
-    coordinator = model._parameter_server_coordinator()
-    dataset = coordinator.create_per_worker_dataset(
-        functools.partial(worker_batches, x, y, sample_weight, batch_size, shuffle)
-    )
-    iterator = iter(dataset)
-    on_worker = dataclasses.replace(steps, schedule=None, lr_scheduler=None)
-    with model._fitting(callbacks, verbose, epochs, steps_per_epoch) as callback_list:
-        callback_list.on_train_begin()
-        epoch_logs: dict[str, Any] = {}
-        for epoch in range(initial_epoch, epochs):
-            steps.metrics.reset()
-            model._set_training(True)
-            callback_list.on_epoch_begin(epoch)
-            results: collections.deque[tuple[int, RemoteValue]] = collections.deque()
-            for step in range(steps_per_epoch):
-                callback_list.on_train_batch_begin(step)
-                hyperparameters = _hyperparameters_of_next_step(model, steps)
-                value = coordinator.schedule(train_step, (on_worker, iterator, hyperparameters))
-                results.append((step, value))
-                _report(model, steps, results, callback_list, wait=False)
-                if model.stop_training:
-                    break
-            coordinator.join()
-            _report(model, steps, results, callback_list, wait=True)
-            epoch_logs = model._logs()
-            model._end_epoch(epoch, epoch_logs, validation, validate_at, callback_list)
-            if model.stop_training:
-                break
-        model._pull()  # the module here ends with the trained parameters
-        callback_list.on_train_end(epoch_logs)
-    return model.history
+    check_input(request.x, request.y, request.sample_weight, request.batch_size)
+    return request.steps_per_epoch
 
 
-def _hyperparameters_of_next_step(model: Any, steps: Steps) -> list[dict[str, Any]]:
+def _hyperparameters_of_next_step(run: FitRun) -> list[dict[str, Any]]:
     """The hyperparameters the next scheduled step applies its update with; then the
     ``lr_scheduler`` (if any) moves on by one step."""
-    groups = model._optimizer.param_groups  # the ParameterServerOptimizer's
+    steps = run.steps
+    groups = steps.optimizer.param_groups  # the ParameterServerOptimizer's
     if steps.schedule is not None:
-        learning_rate = steps.schedule.learning_rate_at(model._iterations)
+        learning_rate = steps.schedule.learning_rate_at(run.progress.iterations)
         for group in groups:
             group["lr"] = learning_rate
     hyperparameters = [dict(group) for group in groups]
@@ -116,24 +179,18 @@ def _hyperparameters_of_next_step(model: Any, steps: Steps) -> list[dict[str, An
         steps.lr_scheduler.step()
         for group, stepped in zip(groups, steps.lr_scheduler.optimizer.param_groups, strict=True):
             group["lr"] = stepped["lr"]
-    model._iterations += 1
+    run.progress.iterations += 1
     return hyperparameters
 
 
-def _report(
-    model: Any,
-    steps: Steps,
-    results: collections.deque[tuple[int, RemoteValue]],
-    callback_list: Any,
-    wait: bool,
-) -> None:
+def _report(run: FitRun, results: collections.deque[tuple[int, RemoteValue]], wait: bool) -> None:
     """Merge the results of the steps that have run, in step order, each followed by its
     ``on_train_batch_end``; without ``wait``, stop at the first still running."""
     while results and (wait or results[0][1].done()):
         step, value = results.popleft()
         state = value.fetch()
-        steps.metrics.merge(state)
-        callback_list.on_train_batch_end(step, model._logs(int(state[1])))
+        run.steps.metrics.merge(state)
+        run.callbacks.on_train_batch_end(step, run.logs(int(state[1])))
 
 
 def train_step(

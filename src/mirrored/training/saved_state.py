@@ -1,9 +1,10 @@
-"""A model's saved training state, checked whole before any of it is loaded.
+"""A model's saved state: what ``Model.save`` and ``save_weights`` write, checked whole on load.
 
 ``Model.load`` and ``BackupAndRestore`` restore the module, the optimizer, the learning-rate
 schedule, the step count and the loss scale together. Each part is checked against the model
 first (:mod:`mirrored.state_checks` for the module and the optimizer), so a state that does not
-fit raises a ValueError naming the part and changes nothing.
+fit raises a ValueError naming the part and changes nothing. Weights that are not finite are
+never written, so that a checkpoint on disk is always one training can go on from.
 """
 
 from __future__ import annotations
@@ -11,16 +12,106 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from mirrored import parameter_server_checkpoint, state_checks
 from mirrored.state_checks import check_module_state, check_optimizer_state
 from mirrored.training.loss_scale import LossScale
+from mirrored.training.steps import Steps
 
-__all__ = ["TrainingState", "check_training_state"]
+__all__ = [
+    "MODEL_FORMAT",
+    "ModelParts",
+    "TrainingProgress",
+    "TrainingState",
+    "check_training_state",
+    "load_training_state",
+    "refuse_non_finite",
+    "training_state",
+    "weights_in",
+]
+
+MODEL_FORMAT = "mirrored.model/1"  # the "format" entry of a Model.save file
 
 _PARTS = ("model", "optimizer", "lr_scheduler", "iterations", "loss_scale")
+
+
+@dataclasses.dataclass
+class TrainingProgress:
+    """What training has counted, carried from one fit to the next and saved with the model."""
+
+    iterations: int = 0  # batches trained on since compile
+    loss_scale: LossScale = dataclasses.field(default_factory=LossScale)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelParts:
+    """A compiled model's parts, as its training loop saves and loads them."""
+
+    module: Any  # the module the user built (replica 0's)
+    replicas: Any  # the mirrored module; None while lazy parameters wait for their first batch
+    optimizer: Any  # the mirrored (or parameter-server) optimizer
+    torch_optimizer: torch.optim.Optimizer  # replica 0's, which a saved state is checked against
+    steps: Steps
+    progress: TrainingProgress
+
+
+def training_state(parts: ModelParts) -> dict[str, Any]:
+    """Model, optimizer, schedule, step count and loss scale, as plain data (``Model``'s
+    ``training_state``)."""
+    scheduler = parts.steps.lr_scheduler
+    return {
+        "model": parts.module.state_dict(),
+        "optimizer": parts.optimizer.state_dict(),
+        "lr_scheduler": None if scheduler is None else scheduler.state_dict(),
+        "iterations": parts.progress.iterations,
+        "loss_scale": {
+            "scale": parts.progress.loss_scale.scale,
+            "good_steps": parts.progress.loss_scale.good_steps,
+        },
+    }
+
+
+def load_training_state(parts: ModelParts, state: Any, source: str) -> None:
+    """Restore what ``training_state`` returned, all or nothing."""
+    scheduler = parts.steps.lr_scheduler
+    checked = check_training_state(state, parts.replicas, parts.torch_optimizer, scheduler, source)
+    parts.optimizer.load_state_dict(checked.optimizer)
+    parts.replicas.load_state_dict(checked.model)
+    if scheduler is not None and checked.lr_scheduler is not None:
+        scheduler.load_state_dict(checked.lr_scheduler)
+    parts.progress.iterations = checked.iterations
+    parts.progress.loss_scale = checked.loss_scale
+
+
+def refuse_non_finite(weights: dict[str, Any], filepath: str | Path) -> None:
+    """Raise on every worker alike (their weights are the same), before any collective."""
+    entry = state_checks.first_non_finite(weights)
+    if entry is not None:
+        raise ValueError(
+            f"not writing {str(filepath)!r}: the weights are not finite ({entry!r} holds a "
+            "NaN or an infinity), and a checkpoint is never written from such weights (the "
+            "file already there stays); pass allow_non_finite=True to write them anyway"
+        )
+
+
+def weights_in(saved: Any, filepath: str | Path) -> Any:
+    """The module's state dict in a file from ``save_weights``, ``Model.save`` or a
+    parameter-server job's ``Model.save``."""
+    if isinstance(saved, dict) and saved.get("format") == MODEL_FORMAT:
+        return saved["model"]
+    if isinstance(saved, dict) and saved.get("format") == parameter_server_checkpoint.FORMAT:
+        if len(saved["models"]) != 1:
+            raise ValueError(
+                f"{str(filepath)!r} holds {len(saved['models'])} models (a whole "
+                "ClusterCoordinator.save): restore it with ClusterCoordinator.restore, or "
+                "write this model alone with Model.save"
+            )
+        return saved["models"][0]["model"]
+    return saved
 
 
 @dataclasses.dataclass(frozen=True)
