@@ -20,20 +20,27 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import itertools
 import os
 import pickle
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch.distributed.rpc as rpc
 
-from mirrored import checkpoint, parameter_server_checkpoint, parameter_server_worker, shard_store
+from mirrored import (
+    checkpoint,
+    parameter_server_checkpoint,
+    parameter_server_state,
+    parameter_server_worker,
+    shard_store,
+)
+from mirrored.coordinator_values import RemoteValue, ScheduledFunction, ScheduledFunctionError
 from mirrored.input import InputContext
 from mirrored.parameter_server import ParameterServerStrategy
+from mirrored.parameter_server_checkpoint import MirroredModel
+from mirrored.per_worker_datasets import PerWorkerDataset, PerWorkerDatasets, PerWorkerIterator
 from mirrored.rpc_cluster import Member
 from mirrored.values import map_structure
 
@@ -46,105 +53,29 @@ __all__ = [
 ]
 
 
-class ScheduledFunctionError(RuntimeError):
-    """A scheduled function raised on a worker; ``remote_traceback`` is the worker's."""
-
-    def __init__(self, message: str, error_type: str, remote_traceback: str) -> None:
-        super().__init__(message)
-        self.error_type = error_type
-        self.remote_traceback = remote_traceback
-
-
-class RemoteValue:
-    """The result of a scheduled function, once a worker has run it."""
-
-    def __init__(self) -> None:
-        self._done = threading.Event()
-        self._value: Any = None
-        self._error: BaseException | None = None
-
-    def _finish(self, value: Any = None, error: BaseException | None = None) -> None:
-        self._value, self._error = value, error
-        self._done.set()
-
-    def done(self) -> bool:
-        """Whether the function has run (or failed)."""
-        return self._done.is_set()
-
-    def fetch(self) -> Any:
-        """Wait for the function to run and return its result (tensors on the CPU), or raise
-        its error."""
-        self._done.wait()
-        if self._error is not None:
-            raise self._error
-        return self._value
-
-    get = fetch
-
-
-@dataclass
-class _Function:
-    id: int
-    fn: Callable[..., Any]
-    call: bytes  # (fn, args, kwargs) pickled when scheduled: what a worker runs
-    round: int  # synchronous mode's round (0 otherwise)
-    value: RemoteValue = field(default_factory=RemoteValue)
-
-
-class PerWorkerIterator:
-    """An iterator on every worker over its own dataset; pass it to scheduled functions, where
-    it is that worker's iterator."""
-
-    def __init__(self, dataset_id: int) -> None:
-        self.dataset_id = dataset_id
-
-    def __iter__(self) -> PerWorkerIterator:
-        return self
-
-    def __next__(self) -> Any:
-        raise TypeError(
-            "a per-worker iterator yields only inside a scheduled function, on its worker: pass "
-            "it to coordinator.schedule(fn, args=(iterator,)) and call next() in fn"
-        )
-
-    def __reduce__(self) -> tuple[Callable[[int], Any], tuple[int]]:
-        return parameter_server_worker.iterator, (self.dataset_id,)
-
-
-class PerWorkerDataset:
-    """A dataset built on every worker by ``dataset_fn`` (``create_per_worker_dataset``)."""
-
-    def __init__(self, dataset_id: int) -> None:
-        self.dataset_id = dataset_id
-
-    def __iter__(self) -> PerWorkerIterator:
-        return PerWorkerIterator(self.dataset_id)
-
-
 class ClusterCoordinator:
     """Schedules functions on the workers of ``strategy`` (created on the chief). A strategy has
     one coordinator, as in TensorFlow: ``ClusterCoordinator(strategy)`` returns the one it has
     unless that one was closed."""
 
     def __new__(cls, strategy: ParameterServerStrategy) -> ClusterCoordinator:
-        existing = strategy._coordinator
-        if existing is not None and not existing._closing:
+        existing = strategy.coordinator
+        if isinstance(existing, ClusterCoordinator) and not existing.closed:
             return existing
         return super().__new__(cls)
 
     def __init__(self, strategy: ParameterServerStrategy) -> None:
-        if strategy._coordinator is self:
+        if strategy.coordinator is self:
             return
         self.strategy = strategy
-        self._dataset_ids = itertools.count()
-        self._queue: collections.deque[_Function] = collections.deque()
+        self._queue: collections.deque[ScheduledFunction] = collections.deque()
         self._unfinished: set[int] = set()
         self._error: BaseException | None = None
         self._broken: BaseException | None = None  # why the job cannot go on, once it cannot
         self._closing = False
         self._pauses = 0  # checkpoints under way: no function may start
         self._in_flight = 0  # functions a worker is running
-        self._datasets: list[tuple[int, Callable[[InputContext], Iterable[Any]]]] = []
+        self._datasets = PerWorkerDatasets(strategy)
         # Synchronous mode: the functions of each round not yet committed, the round that
         # schedule fills, and the last round committed.
         self._rounds: dict[int, list[int]] = {}
@@ -156,10 +87,10 @@ class ClusterCoordinator:
         self._clocks: dict[str, int] = {}  # functions each has run (max_staleness)
         self._threads: list[threading.Thread] = []
         self._no_worker_timer: threading.Timer | None = None
-        with strategy._membership:  # workers that rejoin from now on are welcomed here
-            strategy._coordinator = self  # closed before the strategy leaves RPC
+        with strategy.stable_members() as members:  # those that rejoin later: welcome_worker
+            strategy.attach_coordinator(self)  # closed before the strategy leaves RPC
             with self._condition:
-                for member in strategy._live_members():
+                for member in members:
                     self._add_worker(member.name)
 
     # -- scheduling -------------------------------------------------------------------------------
@@ -180,7 +111,9 @@ class ClusterCoordinator:
             ) from error
         with self._condition:
             self._check()
-            function = _Function(next(self.strategy._function_ids), fn, call, self._open_round)
+            function = ScheduledFunction(
+                self.strategy.new_function_id(), fn, call, self._open_round
+            )
             if self.strategy.synchronous:
                 members = self._rounds.setdefault(self._open_round, [])
                 members.append(function.id)
@@ -235,29 +168,7 @@ class ClusterCoordinator:
     ) -> PerWorkerDataset:
         """Build a dataset on every worker: ``dataset_fn(InputContext)``, where the context
         says which of the ``num_input_pipelines`` workers it is (shard by it); importable there."""
-        dataset_id = next(self._dataset_ids)
-        with self.strategy._membership:  # a worker that rejoins builds it too
-            futures = [
-                self._register(dataset_id, dataset_fn, member)
-                for member in self.strategy._live_members()
-            ]
-            for future in futures:
-                future.wait()
-            self._datasets.append((dataset_id, dataset_fn))
-        return PerWorkerDataset(dataset_id)
-
-    def _register(
-        self, dataset_id: int, dataset_fn: Callable[[InputContext], Iterable[Any]], member: Member
-    ) -> Any:
-        """Build a dataset on ``member``, as the shard of its task (a future)."""
-        num_workers = self.strategy.num_workers
-        context = InputContext(num_workers, self.strategy._task_index(member), num_workers)
-        return rpc.rpc_async(
-            member.name,
-            parameter_server_worker.register_dataset,
-            (dataset_id, dataset_fn, context),
-            timeout=self.strategy.timeout_seconds,
-        )
+        return self._datasets.create(dataset_fn)
 
     # -- checkpoints ------------------------------------------------------------------------------
     def save(
@@ -271,7 +182,7 @@ class ClusterCoordinator:
         run, to ``path`` atomically (``mirrored.parameter_server_checkpoint`` says what the file
         holds), with ``metadata`` (plain data: numbers, strings, tensors, lists, dicts) that
         ``restore`` returns; no function starts while the ps tasks are read."""
-        chosen = self._mirrored(models)
+        chosen = parameter_server_state.mirrored_models(self.strategy, models)
         self.join()
         entries = self._read(chosen)
         return checkpoint.save(
@@ -290,7 +201,7 @@ class ClusterCoordinator:
         same order (None: all of the strategy's), all or nothing: it is checked against every
         model first; and the optimizers' hyperparameters into their handles. Functions
         scheduled before it run first. Returns the file's metadata."""
-        chosen = self._mirrored(models)
+        chosen = parameter_server_state.mirrored_models(self.strategy, models)
         saved = checkpoint.load(path)
         if not isinstance(saved, dict) or saved.get("format") != parameter_server_checkpoint.FORMAT:
             raise ValueError(f"{str(path)!r} was not written by ClusterCoordinator.save()")
@@ -307,80 +218,35 @@ class ClusterCoordinator:
         """Replace a mirrored model's parameters and buffers on the ps tasks with
         ``state_dict`` (its ``state_dict()`` keys and shapes, else nothing changes), keeping
         its optimizer's state; functions scheduled before it run first."""
-        (mirrored,) = self._mirrored([model])
+        (mirrored,) = parameter_server_state.mirrored_models(self.strategy, [model])
         self.join()
         with self._paused():
             (entry,) = self._read([mirrored])
             self._write([mirrored], [{**entry, "model": state_dict}])
 
-    def _mirrored(
-        self, handles: Sequence[Any] | None
-    ) -> list[parameter_server_checkpoint.MirroredModel]:
-        """The strategy's records of the models behind ``handles`` (None: every model)."""
-        if handles is None:
-            return list(self.strategy.models)
-        by_id = {m.model_id: m for m in self.strategy.models}
-        unknown = [h for h in handles if getattr(h, "model_id", None) not in by_id]
-        if unknown:
-            raise ValueError(
-                f"{unknown[0]!r} was not mirrored by this coordinator's strategy: pass the "
-                "handles strategy.mirror() returned"
-            )
-        return [by_id[h.model_id] for h in handles]
-
-    def _read(self, models: list[parameter_server_checkpoint.MirroredModel]) -> list[Any]:
+    def _read(self, models: list[MirroredModel]) -> list[Any]:
         """The checkpoint entries of ``models``, read while no function runs."""
-        with self._paused():
-            states = self._on_every_ps(
-                shard_store.state_dict, [[(m.model_id,) for m in models]] * self.strategy.num_ps
-            )
-        return [
-            parameter_server_checkpoint.gather(model, [task[i] for task in states])
-            for i, model in enumerate(models)
-        ]
+        with self._paused(), self._losing_ps_breaks_the_job():
+            return parameter_server_state.read_entries(self.strategy, models)
 
-    def _write(
-        self, models: list[parameter_server_checkpoint.MirroredModel], entries: list[Any]
-    ) -> None:
+    def _write(self, models: list[MirroredModel], entries: list[Any]) -> None:
         """Load checkpoint entries into the ps tasks while no function runs; every entry is
         checked before any ps task receives anything."""
-        per_model = [  # one list per model, of each ps task's part
-            parameter_server_checkpoint.scatter(model, entry, self.strategy.num_ps)
-            for model, entry in zip(models, entries, strict=True)
-        ]
-        with self._paused():
-            self._on_every_ps(
-                shard_store.load_state_dict,
-                [
-                    [(model.model_id, per_model[i][ps]) for i, model in enumerate(models)]
-                    for ps in range(self.strategy.num_ps)
-                ],
-            )
+        parts = parameter_server_state.split_entries(self.strategy, models, entries)
+        with self._paused(), self._losing_ps_breaks_the_job():
+            parameter_server_state.write_entries(self.strategy, models, parts)
         for model, entry in zip(models, entries, strict=True):
             parameter_server_checkpoint.load_hyperparameters(model, entry)
 
-    def _on_every_ps(
-        self, function: Callable[..., Any], calls: list[list[tuple[Any, ...]]]
-    ) -> list[list[Any]]:
-        """``function(*args)`` for each of ``calls[i]`` on ps task i, all at once; the results
-        in the same layout. A lost ps task breaks the job."""
-        futures = [
-            [
-                rpc.rpc_async(ps, function, args, timeout=self.strategy.timeout_seconds)
-                for args in task
-            ]
-            for ps, task in zip(self.strategy.cluster.ps, calls, strict=True)
-        ]
+    @contextlib.contextmanager
+    def _losing_ps_breaks_the_job(self) -> Iterator[None]:
+        """A ps task lost inside ends the job: nothing can be trained without its shards."""
         try:
-            return [[future.wait() for future in task] for task in futures]
-        except Exception as error:
-            lost = RuntimeError(
-                f"a ps task was lost during {function.__name__} ({error}); restart the job "
-                "from its last checkpoint"
-            )
+            yield
+        except parameter_server_state.PsTaskLostError as lost:
             with self._condition:
                 self._lose(lost)
-            raise lost from error
+            raise
 
     @contextlib.contextmanager
     def _paused(self) -> Iterator[None]:
@@ -409,18 +275,19 @@ class ClusterCoordinator:
         self._threads.append(thread)
         thread.start()
 
-    def _welcome(self, member: Member) -> None:
-        """A restarted worker joins: it builds every per-worker dataset, then takes functions."""
-        for dataset_id, dataset_fn in self._datasets:
-            self._register(dataset_id, dataset_fn, member).wait()
+    def welcome_worker(self, member: Member) -> None:
+        """A restarted worker joins (the strategy says so: ``WorkerListener``): it builds every
+        per-worker dataset, then takes functions."""
+        self._datasets.build_all(member)
         with self._condition:
             if not self._stopped():
                 self._add_worker(member.name)
                 self._condition.notify_all()
 
-    def _retire(self, worker: str) -> None:
+    def retire_worker(self, worker: str) -> None:
         """Take no more functions to ``worker``, and count no result it still returns (its
-        function runs again elsewhere): its task was restarted."""
+        function runs again elsewhere): its task was restarted (the strategy says so:
+        ``WorkerListener``)."""
         with self._condition:
             self._drop(worker, "its task was restarted")
 
@@ -483,16 +350,16 @@ class ClusterCoordinator:
                 self._unfinished.discard(function.id)
                 self._clocks[worker] += 1
                 if status == "ok":
-                    function.value._finish(result)
+                    function.finish(result)
                 elif status == "raised":
                     self._fail(function, worker, *result)
                 else:  # a ps task is lost: nothing can be trained any more
                     lost = RuntimeError(
-                        f"{result} (while {worker} ran {_name(function)}); the job cannot go on "
+                        f"{result} (while {worker} ran {function.name}); the job cannot go on "
                         "without it: restart it from its last checkpoint (ClusterCoordinator."
                         "save / restore)"
                     )
-                    function.value._finish(error=lost)
+                    function.finish(error=lost)
                     self._lose(lost)
                 self._condition.notify_all()
             self._commit_rounds()
@@ -542,13 +409,15 @@ class ClusterCoordinator:
                 self._committing = False
                 self._condition.notify_all()
 
-    def _fail(self, function: _Function, worker: str, kind: str, message: str, trace: str) -> None:
+    def _fail(
+        self, function: ScheduledFunction, worker: str, kind: str, message: str, trace: str
+    ) -> None:
         error = ScheduledFunctionError(
-            f"{_name(function)} raised on {worker}: {kind}: {message}",
+            f"{function.name} raised on {worker}: {kind}: {message}",
             kind,
             trace,
         )
-        function.value._finish(error=error)
+        function.finish(error=error)
         if self._error is None:
             self._error = error
         # TensorFlow cancels what was queued after a failed function.
@@ -556,10 +425,10 @@ class ClusterCoordinator:
             RuntimeError(f"cancelled: an earlier scheduled function failed ({error})")
         )
 
-    def _give_up(self, worker: str, function: _Function, error: BaseException) -> None:
+    def _give_up(self, worker: str, function: ScheduledFunction, error: BaseException) -> None:
         lost: BaseException | None = None
         try:
-            self.strategy._give_up(worker)
+            self.strategy.give_up_worker(worker)
         except Exception as fence_error:
             lost = RuntimeError(
                 f"a ps task was lost ({fence_error}) while giving up {worker}; restart the job "
@@ -581,7 +450,7 @@ class ClusterCoordinator:
     def _fail_queued(self, error: BaseException) -> None:
         for pending in self._queue:
             self._unfinished.discard(pending.id)
-            pending.value._finish(error=error)
+            pending.finish(error=error)
         self._queue.clear()
         self._condition.notify_all()
 
@@ -602,12 +471,13 @@ class ClusterCoordinator:
         for thread in self._threads:
             thread.join()
 
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` was called: ``ClusterCoordinator(strategy)`` then makes a new one."""
+        return self._closing
+
     def __enter__(self) -> ClusterCoordinator:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-def _name(function: _Function) -> str:
-    return str(getattr(function.fn, "__qualname__", function.fn))

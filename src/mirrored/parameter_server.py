@@ -26,34 +26,53 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import datetime
 import itertools
 import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, overload
+from typing import Any, Protocol, overload
 
 import torch
-import torch.distributed as dist
 import torch.distributed.rpc as rpc
 from torch import nn
 
-from mirrored import context, parameter_server_worker, shard_store
+from mirrored import context, parameter_server_task, parameter_server_worker, shard_store
 from mirrored.cluster_resolver import ClusterResolver, resolve_cluster
 from mirrored.parameter_server_checkpoint import MirroredModel
+from mirrored.parameter_server_handles import ParameterServerModule, ParameterServerOptimizer
 from mirrored.parameter_server_worker import shard_rows
-from mirrored.partitioners import Partitioner, plan_shards
+from mirrored.partitioners import Partitioner, ShardSpec, plan_shards
 from mirrored.rpc_cluster import Admissions, Member, RpcCluster, forget_member, start_rpc, stop_rpc
 
-if TYPE_CHECKING:
-    from mirrored.cluster_coordinator import ClusterCoordinator
-
-__all__ = ["ParameterServerModule", "ParameterServerOptimizer", "ParameterServerStrategy"]
+__all__ = [
+    "ParameterServerModule",
+    "ParameterServerOptimizer",
+    "ParameterServerStrategy",
+    "WorkerListener",
+]
 
 _DEFAULT_TIMEOUT_SECONDS = 300.0
-_stop_serving = threading.Event()  # set by the coordinator's last message to this task
-_chief_failure: str | None = None  # why the coordinator's program failed, in that message
+
+
+class WorkerListener(Protocol):
+    """What the strategy tells its coordinator (``ClusterCoordinator``) about the workers: the
+    strategy admits and gives up workers, the coordinator hands them functions."""
+
+    @property
+    def closed(self) -> bool:
+        """Whether the coordinator was closed (a strategy then takes a new one)."""
+        ...
+
+    def retire_worker(self, worker: str) -> None:
+        """Hand ``worker`` nothing more, and count nothing it still returns."""
+        ...
+
+    def welcome_worker(self, member: Member) -> None:
+        """Give a restarted worker what it needs, then functions to run."""
+        ...
+
+    def close(self) -> None: ...
 
 
 class ParameterServerStrategy:
@@ -86,24 +105,7 @@ class ParameterServerStrategy:
         resolver = cluster_resolver if cluster_resolver is not None else resolve_cluster()
         spec = resolver.cluster_spec()
         _check_cluster(spec)
-        if max_staleness is not None and (
-            not isinstance(max_staleness, int)
-            or isinstance(max_staleness, bool)
-            or max_staleness < 0
-        ):
-            raise ValueError(f"max_staleness={max_staleness!r}: expected None or an int >= 0")
-        if synchronous and max_staleness is not None:
-            raise ValueError(
-                f"synchronous=True runs the workers in lockstep rounds; max_staleness="
-                f"{max_staleness!r} bounds asynchronous updates: pass one or the other"
-            )
-        if timeout_seconds is not None and timeout_seconds <= 0:
-            raise ValueError(f"timeout_seconds={timeout_seconds!r}: expected a positive number")
-        if resolver.task_type == "evaluator":
-            raise ValueError(
-                "the evaluator task takes no part in parameter-server training; read the "
-                "checkpoints the coordinator writes instead"
-            )
+        _check_options(resolver, max_staleness, synchronous, timeout_seconds)
         self.cluster = RpcCluster.of(len(spec["worker"]), len(spec["ps"]))
         self.variable_partitioner = variable_partitioner
         self.max_staleness = max_staleness
@@ -117,13 +119,13 @@ class ParameterServerStrategy:
             task, self.cluster, host, port, self.timeout_seconds, resolver.agent_store
         )
         if self._store is None:  # a worker or ps task
-            _serve(member.name, host, port)
+            parameter_server_task.serve(member.name, host, port)
             raise SystemExit(0)
         # An uncaught exception the program ends with will be sys.last_value, unless it is this.
         self._earlier_error = getattr(sys, "last_value", None)
         self._model_ids = itertools.count()
         self.models: list[MirroredModel] = []  # in the order mirror() made them
-        self._coordinator: ClusterCoordinator | None = None  # the one (ClusterCoordinator)
+        self._coordinator: WorkerListener | None = None  # the one (ClusterCoordinator)
         self._function_ids = itertools.count()  # ids of scheduled functions, per strategy
         # Each worker task's incarnation taking part (or the last one, given up), the one
         # admitted but not yet taking part, and the incarnations given up.
@@ -201,14 +203,7 @@ class ParameterServerStrategy:
                 "sync_batch_norm: each worker of a ParameterServerStrategy steps on its own "
                 "batches, with no replica to synchronise batch statistics with"
             )
-        owned = {id(p) for p in module.parameters()}
-        if optimizer is not None:
-            foreign = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in owned]
-            if foreign:
-                raise ValueError(
-                    f"the optimizer holds {len(foreign)} tensor(s) that are not parameters of "
-                    "the module; build it from module.parameters()"
-                )
+        param_groups = _optimizer_groups(module, optimizer)
         tensors = dict(module.named_parameters()) | dict(module.named_buffers())
         shards = plan_shards(
             [(name, t.shape, t.dtype) for name, t in tensors.items()],
@@ -216,31 +211,8 @@ class ParameterServerStrategy:
             self.variable_partitioner,
         )
         model_id = next(self._model_ids)
-        names = {id(p): name for name, p in module.named_parameters()}
-        param_groups = tuple(
-            (
-                tuple(names[id(p)] for p in group["params"]),
-                {k: v for k, v in group.items() if k != "params"},
-            )
-            for group in (optimizer.param_groups if optimizer is not None else [])
-        )
-        futures = []
-        for ps, task in enumerate(self.cluster.ps):
-            mine = [s for s in shards if s.ps == ps]
-            groups = [
-                {**hyper, "keys": [s.key for s in mine if s.name in in_group]}
-                for in_group, hyper in param_groups
-            ]
-            values = {s.key: shard_rows(tensors[s.name], s).detach().clone() for s in mine}
-            optimizer_class = type(optimizer) if optimizer is not None else None
-            futures.append(
-                rpc.rpc_async(
-                    task,
-                    shard_store.create,
-                    (model_id, values, optimizer_class, groups, self.synchronous),
-                    timeout=self.timeout_seconds,
-                )
-            )
+        optimizer_class = type(optimizer) if optimizer is not None else None
+        futures = self._place(model_id, tensors, shards, optimizer_class, param_groups)
         mirrored = MirroredModel(model_id, module, tuple(shards), param_groups)
         with self._membership:  # a worker admitted meanwhile gets this model too
             futures += [self._register(mirrored, member.name) for member in self._live_members()]
@@ -253,6 +225,33 @@ class ParameterServerStrategy:
             return handle
         # The optimizer handle's hyperparameters are the very dicts the checkpoints read.
         return handle, ParameterServerOptimizer(model_id, [h for _, h in param_groups])
+
+    def _place(
+        self,
+        model_id: int,
+        tensors: dict[str, torch.Tensor],
+        shards: list[ShardSpec],
+        optimizer_class: type[torch.optim.Optimizer] | None,
+        param_groups: tuple[tuple[tuple[str, ...], dict[str, Any]], ...],
+    ) -> list[Any]:
+        """Create the model's shards, and an optimizer over them, on every ps task (futures)."""
+        futures = []
+        for ps, task in enumerate(self.cluster.ps):
+            mine = [s for s in shards if s.ps == ps]
+            groups = [
+                {**hyper, "keys": [s.key for s in mine if s.name in in_group]}
+                for in_group, hyper in param_groups
+            ]
+            values = {s.key: shard_rows(tensors[s.name], s).detach().clone() for s in mine}
+            futures.append(
+                rpc.rpc_async(
+                    task,
+                    shard_store.create,
+                    (model_id, values, optimizer_class, groups, self.synchronous),
+                    timeout=self.timeout_seconds,
+                )
+            )
+        return futures
 
     def _register(self, model: MirroredModel, worker: str) -> Any:
         """Give ``worker`` its copy of ``model`` (a future)."""
@@ -273,11 +272,34 @@ class ParameterServerStrategy:
         with self._membership:
             return [m for m in self._workers.values() if m.name not in self._lost]
 
-    def _task_index(self, member: Member) -> int:
+    @contextlib.contextmanager
+    def stable_members(self) -> Iterator[list[Member]]:
+        """The workers taking part now; none joins or is given up until the block ends (a
+        restarted worker waits), so what is done for each of them inside reaches every one."""
+        with self._membership:
+            yield self._live_members()
+
+    @property
+    def coordinator(self) -> WorkerListener | None:
+        """The coordinator that schedules on this strategy's workers, once one is attached."""
+        return self._coordinator
+
+    def attach_coordinator(self, coordinator: WorkerListener) -> None:
+        """Tell ``coordinator`` from now on of every worker that rejoins or is retired; the
+        strategy closes it when it closes. A strategy has one coordinator at a time."""
+        with self._membership:
+            self._coordinator = coordinator
+
+    def new_function_id(self) -> int:
+        """An id for a scheduled function, never given twice by this strategy: the ps tasks
+        apply each function's update once by its id, whichever coordinator scheduled it."""
+        return next(self._function_ids)
+
+    def worker_task_index(self, member: Member) -> int:
         """Which worker task ``member`` runs: the shard of the per-worker datasets it builds."""
         return self.cluster.workers.index(member.task)
 
-    def _give_up(self, worker: str) -> None:
+    def give_up_worker(self, worker: str) -> None:
         """No push of ``worker`` counts from now on: every ps task fences it (a push under way
         finishes first). Raises when a ps task does not answer."""
         for ps in self.cluster.ps:
@@ -295,8 +317,8 @@ class ParameterServerStrategy:
             earlier = [self._workers[member.task], self._admitted.get(member.task)]
             for old in filter(None, earlier):
                 if self._coordinator is not None:
-                    self._coordinator._retire(old.name)  # nothing it still returns counts
-                self._give_up(old.name)
+                    self._coordinator.retire_worker(old.name)  # nothing it still returns counts
+                self.give_up_worker(old.name)
                 forget_member(old)
             self._admitted[member.task] = member
         return None
@@ -309,7 +331,7 @@ class ParameterServerStrategy:
                 for model in self.models:
                     self._register(model, member.name).wait()
                 if self._coordinator is not None:
-                    self._coordinator._welcome(member)
+                    self._coordinator.welcome_worker(member)
             except Exception as error:  # lost again: its next restart asks again
                 warnings.warn(
                     f"{member.task} rejoined as {member.name} but was lost again before it could "
@@ -339,7 +361,11 @@ class ParameterServerStrategy:
         futures = []
         for task in (*self.live_workers(), *self.cluster.ps):
             with contextlib.suppress(RuntimeError):  # a task already lost: nothing to stop
-                futures.append(rpc.rpc_async(task, _stop, (failure,), timeout=self.timeout_seconds))
+                futures.append(
+                    rpc.rpc_async(
+                        task, parameter_server_task.stop, (failure,), timeout=self.timeout_seconds
+                    )
+                )
         for future in futures:
             with contextlib.suppress(RuntimeError):
                 future.wait()
@@ -371,48 +397,6 @@ def _describe(error: object) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-class ParameterServerModule(nn.Module):
-    """A model whose parameters live on the ps tasks. Pass it to scheduled functions (on a
-    worker it is the worker's copy, pulled fresh); on the coordinator ``pull()`` brings the
-    current values into the local copy, which ``forward`` and ``state_dict`` then use."""
-
-    def __init__(self, model_id: int, local: parameter_server_worker.WorkerModel) -> None:
-        super().__init__()
-        self.model_id = model_id
-        self.local = local
-
-    @property
-    def module(self) -> nn.Module:
-        return self.local.module
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.local(*args, **kwargs)
-
-    def pull(self) -> None:
-        """Copy the ps tasks' current parameters and buffers into the local copy."""
-        self.local.pull()
-
-    def __reduce__(self) -> tuple[Callable[[int], Any], tuple[int]]:
-        return parameter_server_worker.model, (self.model_id,)
-
-
-class ParameterServerOptimizer:
-    """A mirrored model's optimizer: pass it to scheduled functions, where ``step()`` pushes the
-    gradients to the ps tasks that apply them. ``param_groups`` holds each group's
-    hyperparameters (no tensors): change them here (``group["lr"] = ...``) and every function
-    scheduled from then on applies its updates with the new values."""
-
-    def __init__(self, model_id: int, param_groups: list[dict[str, Any]]) -> None:
-        self.model_id = model_id
-        self.param_groups = param_groups
-
-    def __reduce__(self) -> tuple[Callable[..., Any], tuple[int, list[dict[str, Any]]]]:
-        return parameter_server_worker.optimizer, (
-            self.model_id,
-            [dict(group) for group in self.param_groups],
-        )
-
-
 def _check_cluster(spec: dict[str, list[str]]) -> None:
     """One chief, one or more workers and ps tasks, each address once (TF_CONFIG's addresses are
     checked for duplicates when parsed)."""
@@ -425,29 +409,50 @@ def _check_cluster(spec: dict[str, list[str]]) -> None:
         )
 
 
-def _stop(failure: str | None) -> None:
-    global _chief_failure
-    _chief_failure = failure
-    _stop_serving.set()
-
-
-def _serve(name: str, host: str, port: int) -> None:
-    """A worker or ps task: answer the coordinator until it says stop, or exit with an error
-    once its rendezvous store (hosted by the chief) is gone or its program failed."""
-    client = dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=10))
-    try:
-        while not _stop_serving.wait(1.0):
-            try:
-                client.check(["mirrored/ps/alive"])
-            except Exception as error:
-                raise SystemExit(
-                    f"{name}: the coordinator (the chief task, {host}:{port}) is gone ({error}); "
-                    "restart the job (it resumes from the coordinator's last checkpoint)"
-                ) from error
-    finally:
-        stop_rpc()
-    if _chief_failure is not None:
-        raise SystemExit(
-            f"{name}: the coordinator's program (the chief task) failed with {_chief_failure}; "
-            "its worker and ps tasks end with it"
+def _check_options(
+    resolver: ClusterResolver,
+    max_staleness: int | None,
+    synchronous: bool,
+    timeout_seconds: float | None,
+) -> None:
+    """The constructor's arguments other than the cluster, each checked alone and together."""
+    if max_staleness is not None and (
+        not isinstance(max_staleness, int) or isinstance(max_staleness, bool) or max_staleness < 0
+    ):
+        raise ValueError(f"max_staleness={max_staleness!r}: expected None or an int >= 0")
+    if synchronous and max_staleness is not None:
+        raise ValueError(
+            f"synchronous=True runs the workers in lockstep rounds; max_staleness="
+            f"{max_staleness!r} bounds asynchronous updates: pass one or the other"
         )
+    if timeout_seconds is not None and timeout_seconds <= 0:
+        raise ValueError(f"timeout_seconds={timeout_seconds!r}: expected a positive number")
+    if resolver.task_type == "evaluator":
+        raise ValueError(
+            "the evaluator task takes no part in parameter-server training; read the "
+            "checkpoints the coordinator writes instead"
+        )
+
+
+def _optimizer_groups(
+    module: nn.Module, optimizer: torch.optim.Optimizer | None
+) -> tuple[tuple[tuple[str, ...], dict[str, Any]], ...]:
+    """``optimizer``'s param groups as (parameter names, hyperparameters); every tensor it holds
+    must be a parameter of ``module``."""
+    if optimizer is None:
+        return ()
+    owned = {id(p) for p in module.parameters()}
+    foreign = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in owned]
+    if foreign:
+        raise ValueError(
+            f"the optimizer holds {len(foreign)} tensor(s) that are not parameters of "
+            "the module; build it from module.parameters()"
+        )
+    names = {id(p): name for name, p in module.named_parameters()}
+    return tuple(
+        (
+            tuple(names[id(p)] for p in group["params"]),
+            {k: v for k, v in group.items() if k != "params"},
+        )
+        for group in optimizer.param_groups
+    )
