@@ -5,9 +5,9 @@ synchronous workers, their number, and the address of rank 0's rendezvous. Tenso
 that down in ``TF_CONFIG``, one JSON document per task; processes started by ``mirrored launch``
 or torchrun get it from the launcher's environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...).
 The resolvers below read either into one small value, so the strategies depend on neither format,
-and ``resolve_cluster`` picks the one that applies. This module only parses and validates: it
-opens no socket and calls nothing in ``torch.distributed``, so every rule is unit-tested without a
-process.
+and ``resolve_cluster`` picks the one that applies (``TF_CONFIG``'s own rules are checked in
+:mod:`mirrored.tf_config`). This module only parses and validates: it opens no socket and
+calls nothing in ``torch.distributed``, so every rule is unit-tested without a process.
 
 Ranks follow TensorFlow: the ``chief`` task is rank 0 and ``worker`` i is rank i + 1; without a
 chief job, worker 0 is the chief. ``ps`` and ``evaluator`` tasks are not synchronous workers and get
@@ -20,12 +20,21 @@ job). Run the workers on a private network or behind a firewall, never on a publ
 
 from __future__ import annotations
 
-import ipaddress
-import json
 import os
 import re
 from collections.abc import Mapping
 from typing import Any
+
+from mirrored.tf_config import (
+    JOBS,
+    NON_WORKER_JOBS,
+    WORKER_JOBS,
+    is_host_name,
+    is_int,
+    is_ipv6,
+    normalize_host,
+    parse_tf_config,
+)
 
 __all__ = [
     "ClusterResolver",
@@ -35,14 +44,6 @@ __all__ = [
     "resolve_cluster",
 ]
 
-#: Synchronous workers, in rank order.
-WORKER_JOBS = ("chief", "worker")
-#: Tasks that take no part in the synchronous all-reduce (rank -1).
-NON_WORKER_JOBS = ("ps", "evaluator")
-JOBS = WORKER_JOBS + NON_WORKER_JOBS
-
-_HOSTNAME = re.compile(r"[A-Za-z0-9_.-]+")
-_PORT = re.compile(r"[0-9]+")
 _INT = re.compile(r"\s*-?[0-9]+\s*")
 
 
@@ -70,43 +71,10 @@ class ClusterResolver:
         restart_count: int = 0,
         cluster_spec: Mapping[str, list[str]] | None = None,
     ) -> None:
-        if task_type not in JOBS:
-            raise ValueError(f"task_type={task_type!r}: expected one of {', '.join(JOBS)}")
-        if not _is_int(world_size) or world_size < 1:
-            raise ValueError(f"world_size={world_size!r}: expected an int >= 1")
-        if not _is_int(task_id) or task_id < 0:
-            raise ValueError(f"task_id={task_id!r}: expected an int >= 0")
-        if task_type in NON_WORKER_JOBS:
-            if rank != -1:
-                raise ValueError(
-                    f"rank={rank!r} for a {task_type!r} task: such tasks are not synchronous "
-                    "workers; pass rank=-1"
-                )
-        elif not _is_int(rank) or not 0 <= rank < world_size:
-            raise ValueError(
-                f"rank={rank!r} is outside 0..world_size-1 ({world_size - 1}); "
-                "pass the worker's position, chief first"
-            )
-        if not isinstance(master_addr, str) or not master_addr or master_addr.startswith("["):
-            raise ValueError(
-                f"master_addr={master_addr!r}: expected a non-empty host name or IP address "
-                "(IPv6 without brackets)"
-            )
-        if not _is_int(master_port) or not 0 <= master_port <= 65535:
-            raise ValueError(f"master_port={master_port!r}: expected an int in 0..65535")
-        if master_port == 0 and world_size > 1:
-            raise ValueError(
-                f"master_port=0 with world_size={world_size}: only a single worker may pick a "
-                "free port; give rank 0's port so the other workers can find it"
-            )
-        if not _is_int(local_rank) or local_rank < 0:
-            raise ValueError(f"local_rank={local_rank!r}: expected an int >= 0")
-        if not _is_int(local_world_size) or not local_rank < local_world_size:
-            raise ValueError(
-                f"local_world_size={local_world_size!r}: expected an int above local_rank "
-                f"({local_rank}), the number of workers on this machine"
-            )
-        if not _is_int(restart_count) or restart_count < 0:
+        _check_place(task_type, task_id, rank, world_size)
+        _check_rendezvous(master_addr, master_port, world_size)
+        _check_local(local_rank, local_world_size)
+        if not is_int(restart_count) or restart_count < 0:
             raise ValueError(f"restart_count={restart_count!r}: expected an int >= 0")
         self.task_type = task_type
         self.task_id = task_id
@@ -169,15 +137,15 @@ class TFConfigClusterResolver(ClusterResolver):
                     '\'{"cluster": {"worker": ["host0:2222", "host1:2222"]}, '
                     '"task": {"type": "worker", "index": 0}}\', or pass tf_config='
                 )
-        config = _parse_tf_config(tf_config, source)
-        cluster, task_type, task_id = _validate(config, source)
-        addresses = _parse_cluster(cluster, source)
+        config = parse_tf_config(tf_config, source)
+        cluster, task_type, task_id = config.cluster, config.task_type, config.task_id
+        addresses = config.addresses
         workers = [(job, i) for job in WORKER_JOBS for i in range(len(cluster.get(job, [])))]
         master_addr, master_port = addresses[workers[0]]
         if task_type in WORKER_JOBS:
             rank = workers.index((task_type, task_id))
-            host = _normalize_host(addresses[(task_type, task_id)][0])
-            same_host = [_normalize_host(addresses[w][0]) == host for w in workers]
+            host = normalize_host(addresses[(task_type, task_id)][0])
+            same_host = [normalize_host(addresses[w][0]) == host for w in workers]
             local_rank, local_world_size = sum(same_host[:rank]), sum(same_host)
         else:
             rank, local_rank, local_world_size = -1, 0, 1
@@ -230,29 +198,8 @@ class TorchrunClusterResolver(ClusterResolver):
                 f"LOCAL_RANK={env['LOCAL_RANK']!r} is outside 0..WORLD_SIZE-1 "
                 f"(WORLD_SIZE={world_size}); it is the worker's index on its machine"
             )
-        master_addr = env.get("MASTER_ADDR", "127.0.0.1").strip()
-        if master_addr.startswith("[") and master_addr.endswith("]"):
-            master_addr = master_addr[1:-1]  # a bracketed IPv6 address
-            valid = _is_ipv6(master_addr)
-        else:
-            valid = bool(_HOSTNAME.fullmatch(master_addr)) or _is_ipv6(master_addr)
-        if not valid:
-            raise ValueError(
-                f"MASTER_ADDR={env.get('MASTER_ADDR')!r} is not a host name or IP address; "
-                "set it to the host of rank 0 (e.g. 10.0.0.1)"
-            )
-        if "MASTER_PORT" not in env and world_size > 1:
-            raise ValueError(
-                f"MASTER_PORT is not set but WORLD_SIZE={world_size}; set it to the port of rank "
-                "0's rendezvous (torchrun sets it), e.g. MASTER_PORT=29500"
-            )
-        master_port = _env_int(env, "MASTER_PORT", default=0)
-        low = 0 if world_size == 1 else 1
-        if not low <= master_port <= 65535:
-            raise ValueError(
-                f"MASTER_PORT={env['MASTER_PORT']!r} is outside {low}..65535 "
-                f"(WORLD_SIZE={world_size}); set it to the port of rank 0's rendezvous"
-            )
+        master_addr = _master_addr(env)
+        master_port = _master_port(env, world_size)
         restart_count = _env_int(env, "TORCHELASTIC_RESTART_COUNT", default=0)
         if restart_count < 0:
             raise ValueError(
@@ -352,24 +299,52 @@ def resolve_cluster(environ: Mapping[str, str] | None = None) -> ClusterResolver
     return LocalClusterResolver()
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _check_place(task_type: str, task_id: int, rank: int, world_size: int) -> None:
+    """The task, and its rank among the ``world_size`` synchronous workers (-1 for the others)."""
+    if task_type not in JOBS:
+        raise ValueError(f"task_type={task_type!r}: expected one of {', '.join(JOBS)}")
+    if not is_int(world_size) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r}: expected an int >= 1")
+    if not is_int(task_id) or task_id < 0:
+        raise ValueError(f"task_id={task_id!r}: expected an int >= 0")
+    if task_type in NON_WORKER_JOBS:
+        if rank != -1:
+            raise ValueError(
+                f"rank={rank!r} for a {task_type!r} task: such tasks are not synchronous "
+                "workers; pass rank=-1"
+            )
+    elif not is_int(rank) or not 0 <= rank < world_size:
+        raise ValueError(
+            f"rank={rank!r} is outside 0..world_size-1 ({world_size - 1}); "
+            "pass the worker's position, chief first"
+        )
 
 
-def _is_ipv6(host: str) -> bool:
-    try:
-        ipaddress.IPv6Address(host)
-    except ValueError:
-        return False
-    return True
+def _check_rendezvous(master_addr: str, master_port: int, world_size: int) -> None:
+    """Rank 0's address; port 0 (any free port) only for a single worker."""
+    if not isinstance(master_addr, str) or not master_addr or master_addr.startswith("["):
+        raise ValueError(
+            f"master_addr={master_addr!r}: expected a non-empty host name or IP address "
+            "(IPv6 without brackets)"
+        )
+    if not is_int(master_port) or not 0 <= master_port <= 65535:
+        raise ValueError(f"master_port={master_port!r}: expected an int in 0..65535")
+    if master_port == 0 and world_size > 1:
+        raise ValueError(
+            f"master_port=0 with world_size={world_size}: only a single worker may pick a "
+            "free port; give rank 0's port so the other workers can find it"
+        )
 
 
-def _normalize_host(host: str) -> str:
-    """One spelling per host, so '[::1]' and '[0:0::1]' compare equal."""
-    try:
-        return ipaddress.ip_address(host).compressed
-    except ValueError:
-        return host.lower()
+def _check_local(local_rank: int, local_world_size: int) -> None:
+    """This worker's index among the synchronous workers of its machine."""
+    if not is_int(local_rank) or local_rank < 0:
+        raise ValueError(f"local_rank={local_rank!r}: expected an int >= 0")
+    if not is_int(local_world_size) or not local_rank < local_world_size:
+        raise ValueError(
+            f"local_world_size={local_world_size!r}: expected an int above local_rank "
+            f"({local_rank}), the number of workers on this machine"
+        )
 
 
 def _env_int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
@@ -386,145 +361,35 @@ def _env_int(env: Mapping[str, str], name: str, default: int | None = None) -> i
     return int(value)
 
 
-def _parse_tf_config(tf_config: str | Mapping[str, Any], source: str) -> Mapping[str, Any]:
-    if isinstance(tf_config, str):
-        try:
-            parsed = json.loads(tf_config)
-        except json.JSONDecodeError as err:
-            raise ValueError(
-                f"{source} is not valid JSON ({err}); expected e.g. "
-                '{"cluster": {"worker": ["host0:2222"]}, "task": {"type": "worker", "index": 0}}'
-            ) from None
-    elif isinstance(tf_config, Mapping):
-        parsed = tf_config
+def _master_addr(env: Mapping[str, str]) -> str:
+    """``MASTER_ADDR`` (default 127.0.0.1): a host name or an IP address, IPv6 in brackets or
+    not, returned without them."""
+    master_addr = env.get("MASTER_ADDR", "127.0.0.1").strip()
+    if master_addr.startswith("[") and master_addr.endswith("]"):
+        master_addr = master_addr[1:-1]  # a bracketed IPv6 address
+        valid = is_ipv6(master_addr)
     else:
-        raise TypeError(
-            f"tf_config={tf_config!r}: expected the TF_CONFIG JSON text, a dict, or None "
-            "(read the TF_CONFIG environment variable)"
-        )
-    if not isinstance(parsed, Mapping):
+        valid = is_host_name(master_addr) or is_ipv6(master_addr)
+    if not valid:
         raise ValueError(
-            f"{source} must be a JSON object with 'cluster' and 'task'; got "
-            f"{type(parsed).__name__} {parsed!r}"
+            f"MASTER_ADDR={env.get('MASTER_ADDR')!r} is not a host name or IP address; "
+            "set it to the host of rank 0 (e.g. 10.0.0.1)"
         )
-    return parsed
+    return master_addr
 
 
-def _validate(config: Mapping[str, Any], source: str) -> tuple[dict[str, list[str]], str, int]:
-    """Check the shape of a parsed TF_CONFIG; return (cluster, task type, task index)."""
-    if "cluster" not in config:
+def _master_port(env: Mapping[str, str], world_size: int) -> int:
+    """``MASTER_PORT``: required with more than one worker; 0 (any free port) only without."""
+    if "MASTER_PORT" not in env and world_size > 1:
         raise ValueError(
-            f"{source} has no 'cluster'; add the jobs' addresses, e.g. "
-            '"cluster": {"worker": ["host0:2222", "host1:2222"]}'
+            f"MASTER_PORT is not set but WORLD_SIZE={world_size}; set it to the port of rank "
+            "0's rendezvous (torchrun sets it), e.g. MASTER_PORT=29500"
         )
-    if "task" not in config:
+    master_port = _env_int(env, "MASTER_PORT", default=0)
+    low = 0 if world_size == 1 else 1
+    if not low <= master_port <= 65535:
         raise ValueError(
-            f"{source} has no 'task'; add this process's task, e.g. "
-            '"task": {"type": "worker", "index": 0}'
+            f"MASTER_PORT={env['MASTER_PORT']!r} is outside {low}..65535 "
+            f"(WORLD_SIZE={world_size}); set it to the port of rank 0's rendezvous"
         )
-    cluster, task = config["cluster"], config["task"]
-    if not isinstance(cluster, Mapping):
-        raise ValueError(
-            f"{source}['cluster']={cluster!r}: expected an object of job name -> address list"
-        )
-    if not isinstance(task, Mapping):
-        raise ValueError(
-            f"{source}['task']={task!r}: expected an object like {{'type': 'worker', 'index': 0}}"
-        )
-    unknown = sorted(str(job) for job in cluster if job not in JOBS)
-    if unknown:
-        raise ValueError(
-            f"{source}['cluster'] has unknown jobs {unknown}; the jobs are {', '.join(JOBS)} "
-            "(rename or remove the others)"
-        )
-    for job, tasks in cluster.items():
-        if not isinstance(tasks, list) or not all(isinstance(a, str) for a in tasks):
-            raise ValueError(
-                f"{source}['cluster'][{job!r}]={tasks!r}: expected a list of 'host:port' strings"
-            )
-    if "chief" in cluster and len(cluster["chief"]) != 1:
-        raise ValueError(
-            f"{source}['cluster']['chief'] has {len(cluster['chief'])} tasks; a 'chief' job must "
-            "have exactly one (list the other tasks under 'worker')"
-        )
-    if len(cluster.get("evaluator", [])) > 1:
-        raise ValueError(
-            f"{source}['cluster']['evaluator'] has {len(cluster['evaluator'])} tasks; "
-            "TensorFlow allows at most one evaluator"
-        )
-    if not cluster.get("chief") and not cluster.get("worker"):
-        raise ValueError(
-            f"{source}['cluster'] has no 'chief' and no 'worker' task; list at least one "
-            'synchronous worker, e.g. "worker": ["host0:2222"]'
-        )
-    if "type" not in task or "index" not in task:
-        missing = "type" if "type" not in task else "index"
-        raise ValueError(
-            f'{source}[\'task\'] has no {missing!r}; expected e.g. {{"type": "worker", "index": 0}}'
-        )
-    task_type, task_id = task["type"], task["index"]
-    if task_type not in JOBS:
-        raise ValueError(
-            f"{source}['task']['type']={task_type!r}: expected one of {', '.join(JOBS)}"
-        )
-    if not _is_int(task_id):
-        raise ValueError(f"{source}['task']['index']={task_id!r}: expected an int >= 0")
-    if task_type not in cluster and task_type != "evaluator":
-        raise ValueError(
-            f"{source}['task']['type']={task_type!r} is not a job of the cluster (jobs: "
-            f"{', '.join(cluster)}); add its addresses to cluster[{task_type!r}] or fix the type"
-        )
-    if task_type in cluster and not 0 <= task_id < len(cluster[task_type]):
-        size = len(cluster[task_type])
-        plural = "s" if size > 1 else ""
-        tasks = f"{size} task{plural} (indices 0..{size - 1})" if size else "no tasks"
-        raise ValueError(
-            f"{source}['task']['index']={task_id} is out of range: job {task_type!r} has "
-            f"{tasks}; fix the index or add the task's address to cluster[{task_type!r}]"
-        )
-    if task_id < 0:
-        raise ValueError(f"{source}['task']['index']={task_id}: expected an int >= 0")
-    return {job: list(cluster[job]) for job in JOBS if job in cluster}, task_type, task_id
-
-
-def _parse_address(address: str, where: str) -> tuple[str, int]:
-    """'host:port' or '[ipv6]:port' -> (host without brackets, port in 1..65535)."""
-    example = "e.g. 'host0:2222', '10.0.0.1:2222' or '[::1]:2222'"
-    if address.startswith("["):
-        host, sep, port = address[1:].partition("]:")
-        if not sep or not _is_ipv6(host):
-            raise ValueError(
-                f"{where}={address!r} is not '[ipv6]:port'; write IPv6 addresses as '[::1]:2222'"
-            )
-    else:
-        host, sep, port = address.rpartition(":")
-        if _is_ipv6(host):
-            raise ValueError(
-                f"{where}={address!r}: an IPv6 address must be in brackets, e.g. '[::1]:2222'"
-            )
-        if not sep or not _HOSTNAME.fullmatch(host):
-            raise ValueError(f"{where}={address!r} is not 'host:port'; {example}")
-    if not _PORT.fullmatch(port) or not 1 <= int(port) <= 65535:
-        raise ValueError(f"{where}={address!r}: the port must be a number in 1..65535; {example}")
-    return host, int(port)
-
-
-def _parse_cluster(
-    cluster: Mapping[str, list[str]], source: str
-) -> dict[tuple[str, int], tuple[str, int]]:
-    """(job, index) -> (host, port) for every task; no address may be used twice."""
-    addresses: dict[tuple[str, int], tuple[str, int]] = {}
-    seen: dict[tuple[str, int], str] = {}
-    for job, tasks in cluster.items():
-        for index, address in enumerate(tasks):
-            host, port = _parse_address(address, f"{source}['cluster'][{job!r}][{index}]")
-            key = (_normalize_host(host), port)
-            name = f"{job} {index} ({address!r})"
-            if key in seen:
-                raise ValueError(
-                    f"{source}['cluster']: {seen[key]} and {name} use the same address; "
-                    "give every task its own host:port"
-                )
-            seen[key] = name
-            addresses[(job, index)] = (host, port)
-    return addresses
+    return master_port
