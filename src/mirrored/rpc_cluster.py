@@ -16,8 +16,8 @@
   own), once the chief has admitted it and removed the lost incarnation from the group's record
   (``Admissions``).
 - **Its transport.** Between tasks of one host TensorPipe defaults to shared memory, whose
-  reactor busy-polls a core in every process; with 5 tasks on 2 cores the jobs ran 3x slower and
-  timed out under load. Every pair talks TCP here (TensorPipe's ``_transports`` option).
+  reactor busy-polls a core in every process, so a job of more tasks than cores slows to a crawl
+  and times out under load. Every pair talks TCP here (TensorPipe's ``_transports`` option).
 
 Security: like every ``torch.distributed`` primitive, RPC is unauthenticated and unpickles what
 its peers send (a peer can run any code here). Keep every task of the job on a private network:
