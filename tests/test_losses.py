@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 import mirrored
-from mirrored import losses
+from mirrored import loss_functions, losses
 
 
 def test_outside_a_strategy_it_is_the_plain_mean():
@@ -368,7 +368,7 @@ def test_keras_function_forms_check_probabilities_and_refuse_another_axis():
     logits, ids = _logits(6, 4), _ids(6, classes=4)
     # The check runs on the first call of each argument combination (one host sync): forget
     # the calls of earlier tests.
-    losses._LOSS_OBJECTS.clear()
+    loss_functions._LOSS_OBJECTS.clear()
     with pytest.raises(ValueError, match="from_logits=False"):
         losses.sparse_categorical_crossentropy(ids, logits)
     with pytest.raises(ValueError, match=r"axis=1.*movedim\(1, -1\)"):

@@ -18,7 +18,17 @@ from typing import Any
 import torch
 
 from mirrored import losses
-from mirrored.losses import _align_ranks, _same_shape_pair, _shape, _to_tensor, broadcast_weight
+from mirrored.loss_classes import function_name
+from mirrored.loss_functions import name_key
+from mirrored.loss_shapes import (
+    absolute_error,
+    align_ranks,
+    broadcast_weight,
+    same_shape_pair,
+    shape_of,
+    squared_error,
+    to_tensor,
+)
 
 __all__ = [
     "AutoAccuracy",
@@ -68,7 +78,7 @@ class Metric:
         """Add ``state`` (of this metric's ``batch_state`` form) to the running sums. The sums
         stay on the first accelerator they meet, so merging never waits for the device."""
         if not isinstance(state, torch.Tensor) or state.shape != (self.num_state,):
-            received = _shape(state) if isinstance(state, torch.Tensor) else type(state).__name__
+            received = shape_of(state) if isinstance(state, torch.Tensor) else type(state).__name__
             raise ValueError(
                 f"metric {self.name!r}: merge_state got {received}; expected a 1-D tensor of "
                 f"{self.num_state} sums, as batch_state returns"
@@ -113,7 +123,7 @@ class Metric:
 
 def _mean_state(values: Any, sample_weight: Any) -> torch.Tensor:
     """[sum of values * weight, sum of the weights broadcast to the values] in float64."""
-    values = _to_tensor(values, "values").detach()
+    values = to_tensor(values, "values").detach()
     if sample_weight is None:
         total = values.sum(dtype=torch.float64)
         return torch.stack([total, total.new_tensor(float(values.numel()))])
@@ -152,7 +162,7 @@ class MeanMetricWrapper(_WeightedMean):
     def __init__(self, fn: Callable[..., Any], name: str | None = None) -> None:
         if not callable(fn):
             raise TypeError(f"fn={fn!r}: expected a function fn(y_true, y_pred)")
-        super().__init__(name if name is not None else losses.function_name(fn))
+        super().__init__(name if name is not None else function_name(fn))
         self.fn = fn
 
     def batch_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> torch.Tensor:
@@ -175,13 +185,13 @@ def _squeeze_trailing_one(values: torch.Tensor) -> torch.Tensor:
 def sparse_categorical_accuracy(y_true: Any, y_pred: Any) -> torch.Tensor:
     """Keras's function: 1.0 where the argmax of y_pred [batch, ..., classes] is the class id
     y_true [batch, ...] (a trailing dim of 1 squeezed), one value per example (per position)."""
-    pred = _to_tensor(y_pred, "y_pred")
-    true = _to_tensor(y_true, "y_true", pred.device)
+    pred = to_tensor(y_pred, "y_pred")
+    true = to_tensor(y_true, "y_true", pred.device)
     ids = true.squeeze(-1) if true.dim() == pred.dim() and true.dim() > 0 else true
     if pred.dim() < 2 or ids.shape != pred.shape[:-1]:
         raise ValueError(
-            f"sparse_categorical_accuracy: y_true has shape {_shape(true)} and y_pred "
-            f"{_shape(pred)}; expected y_pred [batch, ..., classes] and y_true of class ids "
+            f"sparse_categorical_accuracy: y_true has shape {shape_of(true)} and y_pred "
+            f"{shape_of(pred)}; expected y_pred [batch, ..., classes] and y_true of class ids "
             "shaped like y_pred without its last dim (or with a last dim of 1)"
         )
     return _squeeze_trailing_one((pred.argmax(dim=-1) == ids).to(torch.float32))
@@ -190,11 +200,11 @@ def sparse_categorical_accuracy(y_true: Any, y_pred: Any) -> torch.Tensor:
 def categorical_accuracy(y_true: Any, y_pred: Any) -> torch.Tensor:
     """Keras's function: 1.0 where y_true and y_pred, both [batch, ..., classes], have their
     argmax in common."""
-    pred = _to_tensor(y_pred, "y_pred")
-    true = _to_tensor(y_true, "y_true", pred.device)
+    pred = to_tensor(y_pred, "y_pred")
+    true = to_tensor(y_true, "y_true", pred.device)
     if pred.dim() < 2 or true.shape != pred.shape:
         raise ValueError(
-            f"categorical_accuracy: y_true has shape {_shape(true)} and y_pred {_shape(pred)}; "
+            f"categorical_accuracy: y_true has shape {shape_of(true)} and y_pred {shape_of(pred)}; "
             "expected both [batch, ..., classes] (one-hot targets; for class ids use "
             "sparse_categorical_accuracy)"
         )
@@ -205,12 +215,12 @@ def categorical_accuracy(y_true: Any, y_pred: Any) -> torch.Tensor:
 def binary_accuracy(y_true: Any, y_pred: Any, threshold: float = 0.5) -> torch.Tensor:
     """Keras's function: 1.0 where (y_pred > threshold) equals y_true, elementwise over one shape
     (a trailing dim of 1 aligned as Keras does)."""
-    pred = _to_tensor(y_pred, "y_pred")
-    true = _to_tensor(y_true, "y_true", pred.device)
-    true_aligned, pred_aligned = _align_ranks(true, pred)
+    pred = to_tensor(y_pred, "y_pred")
+    true = to_tensor(y_true, "y_true", pred.device)
+    true_aligned, pred_aligned = align_ranks(true, pred)
     if pred_aligned.dim() == 0 or true_aligned.shape != pred_aligned.shape:
         raise ValueError(
-            f"binary_accuracy: y_true has shape {_shape(true)} and y_pred {_shape(pred)}; "
+            f"binary_accuracy: y_true has shape {shape_of(true)} and y_pred {shape_of(pred)}; "
             "expected both of one shape [batch, ...] (a trailing dim of 1 on either side is "
             "aligned)"
         )
@@ -250,11 +260,11 @@ _EXACT = torch.float64  # regression metrics compute their values in float64 too
 
 
 def _squared_error(y_true: Any, y_pred: Any) -> torch.Tensor:
-    return losses._squared_error(*_same_shape_pair("mean_squared_error", y_true, y_pred, _EXACT))
+    return squared_error(*same_shape_pair("mean_squared_error", y_true, y_pred, _EXACT))
 
 
 def _absolute_error(y_true: Any, y_pred: Any) -> torch.Tensor:
-    return losses._absolute_error(*_same_shape_pair("mean_absolute_error", y_true, y_pred, _EXACT))
+    return absolute_error(*same_shape_pair("mean_absolute_error", y_true, y_pred, _EXACT))
 
 
 class MeanSquaredError(MeanMetricWrapper):
@@ -300,9 +310,9 @@ class AutoAccuracy(_WeightedMean):
 
     def batch_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> torch.Tensor:
         if self.kind is None:
-            pred = _to_tensor(y_pred, "y_pred")
+            pred = to_tensor(y_pred, "y_pred")
             # Replica threads racing here all pick the same kind from the same shapes.
-            self.kind = _accuracy_kind(_to_tensor(y_true, "y_true", pred.device), pred)
+            self.kind = _accuracy_kind(to_tensor(y_true, "y_true", pred.device), pred)
         with torch.no_grad():
             return _mean_state(_ACCURACY_KINDS[self.kind](y_true, y_pred), sample_weight)
 
@@ -343,11 +353,11 @@ def get(identifier: Metric | str | Callable[..., Any] | type[Metric], loss: Any 
     if isinstance(identifier, type) and issubclass(identifier, Metric):
         return identifier()
     if isinstance(identifier, str):
-        key = losses._key(identifier)
+        key = name_key(identifier)
         if key in ("accuracy", "acc"):
             return _accuracy_for(loss, identifier)
         for name, factory in _METRICS.items():
-            if losses._key(name) == key:
+            if name_key(name) == key:
                 return factory(identifier)
         raise ValueError(
             f"metric {identifier!r} is not a known metric; known names: {', '.join(_METRICS)} "
