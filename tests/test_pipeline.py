@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.utils import clip_grad_norm_
 
 import mirrored
-from mirrored.pipeline_split import StageShapeError, balanced_split_points, parameter_costs
+from mirrored.pipeline_split import StageShapeError
 from tests.reference_loops import (
     OPTIMIZERS,
     assert_replicas_identical,
@@ -92,17 +92,6 @@ def test_balance_by_time_and_by_parameters_give_valid_splits():
         strategy.mirror(net)
         ranges = strategy._layer_ranges
     assert ranges == [(0, 2), (2, 4), (4, 6)]  # equal parameter counts: two layers each
-
-
-def test_parameter_split_balances_every_stage_and_keeps_activations_with_their_layer():
-    # The article's MLP: one Linear (and its ReLU) per stage, not [Linear] | [ReLU] | [the rest].
-    mlp = nn.Sequential(
-        nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 10)
-    )
-    assert balanced_split_points(parameter_costs(list(mlp)), 3) == [2, 4]
-    assert balanced_split_points([5, 0, 0, 5], 2) == [3]
-    assert balanced_split_points([1] * 7, 3) == [3, 5]
-    assert balanced_split_points([9, 1, 1, 1, 1, 1], 2) == [1]
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -383,19 +372,6 @@ def test_close_stops_every_thread():
     strategy.close()
     names = [t.name for t in threading.enumerate()]
     assert not [n for n in names if n.startswith(("mirrored-stage-", "mirrored-replica-"))]
-
-
-def test_a_parameter_shared_by_stages_on_different_devices_is_refused():
-    from types import SimpleNamespace
-
-    from mirrored.pipeline import _place
-
-    shared = nn.Linear(4, 4)
-    stages = [nn.Sequential(shared), nn.Sequential(nn.ReLU(), shared)]
-    devices = [SimpleNamespace(torch_device=torch.device(d)) for d in ("cpu", "meta")]
-    with pytest.raises(ValueError, match="shared by stages 0 and 1"):
-        _place(stages, devices)
-    assert shared.weight.device.type == "cpu"
 
 
 def test_a_stage_stuck_past_the_timeout_fails_the_run_in_time_and_is_named():

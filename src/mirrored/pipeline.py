@@ -1,11 +1,10 @@
 """PipelineStrategy: a model's layers split into stages on several devices, micro-batched.
 
-For a model too big for one device (the articles' 784-512-256-10 MLP on three devices), an
-``nn.Sequential`` is cut into stages, one per device; each global batch is cut into
-micro-batches that flow through the stages, so the devices work at the same time (GPipe or 1F1B,
-see :mod:`mirrored.pipeline_schedule`). Several pipelines (``num_pipelines``) add data
-parallelism: each holds a copy of the model on its own devices, and their gradients are summed
-before the update.
+For a model too big for one device, an ``nn.Sequential`` is cut into stages, one per device;
+each global batch is cut into micro-batches that flow through the stages, so the devices work at
+the same time (GPipe or 1F1B, see :mod:`mirrored.pipeline_schedule`). Several pipelines
+(``num_pipelines``) add data parallelism: each holds a copy of the model on its own devices, and
+their gradients are summed before the update.
 
 The user's step function is unchanged. Each micro-batch runs it as a replica of the strategy
 (``num_replicas_in_sync`` = pipelines x micro-batches): it calls the model, computes
@@ -45,13 +44,19 @@ from mirrored.mirror import (
 )
 from mirrored.mirrored_strategy import default_devices
 from mirrored.param_groups import snapshot, take_hyperparameters
-from mirrored.pipeline_executor import Pipeline, PipelineRun, StageTimeline
+from mirrored.pipeline_executor import (
+    Pipeline,
+    PipelineOutput,
+    PipelineRun,
+    StageTimeline,
+    add_summed_gradients,
+)
 from mirrored.pipeline_schedule import SCHEDULES
 from mirrored.pipeline_split import (
-    balanced_split_points,
     check_stages_chain,
     meta_copy,
-    parameter_costs,
+    place_stages,
+    plan_stages,
     split_sequential,
 )
 from mirrored.random_routing import ReplicaRandomness
@@ -97,37 +102,18 @@ class PipelineStrategy(Strategy):
         recompute: bool = False,
         timeout_seconds: float | None = 1800.0,
     ) -> None:
-        if isinstance(devices, (str, torch.device)):
-            raise TypeError(
-                f"devices={devices!r}: expected a list of devices, such as [{str(devices)!r}]"
-            )
-        logical = config.resolve_devices(devices) if devices is not None else default_devices()
+        logical = _resolve_devices(devices)
         _check_positive_int("num_microbatches", num_microbatches)
         _check_positive_int("num_pipelines", num_pipelines)
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule={schedule!r}: expected one of {list(SCHEDULES)}")
-        if len(logical) % num_pipelines:
-            raise ValueError(
-                f"{len(logical)} devices cannot hold {num_pipelines} pipelines of equal length; "
-                "pass num_pipelines x stages devices"
-            )
-        if not isinstance(split, str):
-            split = [int(point) for point in split]
-        elif split != "parameters":
-            raise ValueError(
-                f"split={split!r}: expected 'parameters' or a list of layer indices where "
-                "stages 2.. begin (mirrored.pipeline_split.balance_by_time measures them)"
-            )
+        self.stage_devices = _group_into_pipelines(logical, num_pipelines)
         self.num_microbatches = num_microbatches
         self.num_pipelines = num_pipelines
         self.num_stages = len(logical) // num_pipelines
         self.schedule = schedule
-        self.split = split
+        self.split = _checked_split(split)
         self.recompute = recompute
-        self.stage_devices = tuple(
-            tuple(logical[p * self.num_stages : (p + 1) * self.num_stages])
-            for p in range(num_pipelines)
-        )
         replica_devices = [
             stages[0] for stages in self.stage_devices for _ in range(num_microbatches)
         ]
@@ -257,7 +243,7 @@ class PipelineStrategy(Strategy):
             return output
         holder: dict[str, Any] = {}
         anchor = torch.zeros((), requires_grad=True)
-        tensors = iter(_PipelineOutput.apply(pipeline, k, args, kwargs, holder, anchor))
+        tensors = iter(PipelineOutput.apply(pipeline, k, args, kwargs, holder, anchor))
         return map_structure(
             lambda v: next(tensors) if isinstance(v, torch.Tensor) else v, holder["output"]
         )
@@ -301,29 +287,8 @@ class PipelineStrategy(Strategy):
         replica.exchange.barrier("optimizer.step: pipelines updated")
 
     def _apply_gradients(self, deadline: float | None) -> None:
-        """Wait for the stages, then add the gradients summed over every micro-batch of every
-        pipeline (in a fixed order) to each pipeline's ``param.grad``."""
-        index = [
-            {id(param): i for i, param in enumerate(module.parameters())}
-            for module in self._modules
-        ]
-        totals: dict[int, torch.Tensor] = {}
-        for p, pipeline in enumerate(self._pipelines):
-            for param, grad in pipeline.take_gradients(deadline):
-                i = index[p][id(param)]
-                if i in totals:
-                    totals[i] = totals[i] + grad.to(totals[i].device)
-                else:
-                    totals[i] = grad
-        params = [list(module.parameters()) for module in self._modules]
-        for i, total in totals.items():
-            for p in range(self.num_pipelines):
-                param = params[p][i]
-                grad = total if p == 0 else total.to(param.device, copy=True)
-                if param.grad is None:
-                    param.grad = grad
-                else:
-                    param.grad.add_(grad)
+        """Wait for the stages, then add the step's gradients to every pipeline's ``param.grad``."""
+        add_summed_gradients(self._pipelines, self._modules, deadline)
 
     # -- models -----------------------------------------------------------------------------------
     def mirror(
@@ -341,7 +306,7 @@ class PipelineStrategy(Strategy):
                 "sync_batch_norm=True: a pipeline normalises each micro-batch on its stage; "
                 "batch statistics across micro-batches are not synchronised"
             )
-        sequential, points = self._plan(module)
+        sequential, points = plan_stages(module, self.num_stages, self.num_pipelines, self.split)
         if optimizer is not None:
             check_optimizer_params(sequential, optimizer)
         modules = [sequential] + [copy.deepcopy(sequential) for _ in range(self.num_pipelines - 1)]
@@ -351,7 +316,7 @@ class PipelineStrategy(Strategy):
         stage_lists = []
         for p, copy_p in enumerate(modules):
             stages = split_sequential(copy_p, points)
-            _place(stages, self.stage_devices[p])
+            place_stages(stages, self.stage_devices[p])
             stage_lists.append(stages)
         bounds = [0, *points, len(sequential)]
         self._layer_ranges = list(itertools.pairwise(bounds))
@@ -386,32 +351,6 @@ class PipelineStrategy(Strategy):
         self.track_replicated(pipelined)
         return model, pipelined
 
-    def _plan(self, module: nn.Module | Sequence[nn.Module]) -> tuple[nn.Sequential, list[int]]:
-        """The model as one ``nn.Sequential`` and where its stages begin."""
-        if isinstance(module, (list, tuple)):
-            if len(module) != self.num_stages or not all(isinstance(m, nn.Module) for m in module):
-                raise ValueError(
-                    f"got {len(module)} stage module(s) for {self.num_stages} stages "
-                    f"({self.num_stages * self.num_pipelines} devices / {self.num_pipelines} "
-                    "pipeline(s)); pass one nn.Module per stage"
-                )
-            return nn.Sequential(*module), list(range(1, self.num_stages))
-        if isinstance(module, MirroredModule):
-            raise TypeError("module is already mirrored; pass the original nn.Module")
-        if not isinstance(module, nn.Sequential):
-            raise TypeError(
-                f"module={type(module).__name__}: PipelineStrategy cuts an nn.Sequential (or a "
-                "list of stage modules) into stages; express the model as nn.Sequential"
-            )
-        if isinstance(self.split, str):
-            return module, balanced_split_points(parameter_costs(list(module)), self.num_stages)
-        if len(self.split) != self.num_stages - 1:
-            raise ValueError(
-                f"split={self.split}: {self.num_stages} stages need {self.num_stages - 1} split "
-                "point(s)"
-            )
-        return module, list(self.split)
-
     def stage_timelines(self) -> list[list[StageTimeline]]:
         """Per pipeline and stage: the operations of the last run (times, activation peak)."""
         return [pipeline.timelines() for pipeline in self._pipelines]
@@ -435,40 +374,6 @@ def _stop(workers: ReplicaWorkers, pipelines: list[Pipeline]) -> None:
         pipeline.close()
 
 
-class _PipelineOutput(torch.autograd.Function):
-    """Ties a micro-batch's output to autograd: its backward hands the output's gradient to the
-    last stage and returns at once; the stages' threads do the rest."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        pipeline: Pipeline,
-        microbatch: int,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        holder: dict[str, Any],
-        anchor: torch.Tensor,
-    ) -> tuple[torch.Tensor, ...]:
-        output, key = pipeline.forward(microbatch, args, kwargs, grad_enabled=True)
-        holder["output"] = output
-        ctx.pipeline, ctx.key, ctx.output = pipeline, key, output
-        tensors = [v for v in flatten(output) if isinstance(v, torch.Tensor)]
-        ctx.mark_non_differentiable(
-            *[t for t in tensors if not (t.is_floating_point() or t.is_complex())]
-        )
-        ctx.set_materialize_grads(False)
-        return tuple(tensors)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, ...]:
-        received = iter(grads)
-        structured = map_structure(
-            lambda v: next(received) if isinstance(v, torch.Tensor) else None, ctx.output
-        )
-        ctx.pipeline.backward(ctx.key, structured)
-        return (None,) * 6
-
-
 class PipelinedModule(MirroredModule):
     """The model of a ``PipelineStrategy``: one full model per pipeline (its layers on the
     pipeline's stage devices). Calls inside ``strategy.run`` go through the pipeline of the
@@ -486,7 +391,7 @@ class PipelinedModule(MirroredModule):
         replica = current_replica_context()
         if replica is not None and replica.strategy is strategy:
             return strategy._forward(replica, args, kwargs)
-        return _forward_in_turn(strategy, args, kwargs)
+        return strategy._pipelines[0].forward_in_turn(args, kwargs)
 
     def __repr__(self) -> str:
         return f"PipelinedModule(pipelines={len(self.replicas)}, module={self.replicas[0]!r})"
@@ -496,21 +401,6 @@ class PipelinedModule(MirroredModule):
         micro-batch), every pipeline's outside."""
         for index in _pipelines_to_zero(self._strategy):
             self.replicas[index].zero_grad(set_to_none=set_to_none)
-
-
-def _forward_in_turn(
-    strategy: PipelineStrategy, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Any:
-    """Pipeline 0's stages one after another on the caller's thread (outside ``run``)."""
-    value: Any = None
-    for s, executor in enumerate(strategy._pipelines[0].executors):
-        moved = _to_device((args, kwargs) if s == 0 else value, executor.device.torch_device)
-        value = executor.stage(*moved[0], **moved[1]) if s == 0 else executor.stage(moved)
-    return _to_device(value, strategy.stage_devices[0][0].torch_device)
-
-
-def _to_device(structure: Any, device: torch.device) -> Any:
-    return map_structure(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, structure)
 
 
 class PipelinedOptimizer(MirroredOptimizer):
@@ -556,20 +446,42 @@ def _pipelines_to_zero(strategy: Strategy) -> list[int]:
     return [pipeline] if microbatch == 0 else []
 
 
-def _place(stages: Sequence[nn.Module], devices: Sequence[LogicalDevice]) -> None:
-    """Move each stage to its device; a parameter shared by stages on different devices is an
-    error (it would sit on one of them only)."""
-    home: dict[int, tuple[int, torch.device]] = {}
-    for s, (stage, device) in enumerate(zip(stages, devices, strict=True)):
-        for param in stage.parameters():
-            previous = home.setdefault(id(param), (s, device.torch_device))
-            if previous[1] != device.torch_device:
-                raise ValueError(
-                    f"a parameter of shape {tuple(param.shape)} is shared by stages {previous[0]} "
-                    f"and {s}, which sit on different devices ({previous[1]} and "
-                    f"{device.torch_device}); put the layers that share it in one stage"
-                )
-        stage.to(device.torch_device)
+def _resolve_devices(
+    devices: Sequence[DeviceSpec | LogicalDevice] | None,
+) -> list[LogicalDevice]:
+    """The strategy's devices: those given, else every logical GPU, else every logical CPU."""
+    if isinstance(devices, (str, torch.device)):
+        raise TypeError(
+            f"devices={devices!r}: expected a list of devices, such as [{str(devices)!r}]"
+        )
+    return config.resolve_devices(devices) if devices is not None else default_devices()
+
+
+def _group_into_pipelines(
+    logical: Sequence[LogicalDevice], num_pipelines: int
+) -> tuple[tuple[LogicalDevice, ...], ...]:
+    """The devices of each pipeline's stages, pipeline by pipeline."""
+    if len(logical) % num_pipelines:
+        raise ValueError(
+            f"{len(logical)} devices cannot hold {num_pipelines} pipelines of equal length; "
+            "pass num_pipelines x stages devices"
+        )
+    num_stages = len(logical) // num_pipelines
+    return tuple(
+        tuple(logical[p * num_stages : (p + 1) * num_stages]) for p in range(num_pipelines)
+    )
+
+
+def _checked_split(split: str | Sequence[int]) -> str | list[int]:
+    """``split`` as ``mirror`` uses it: "parameters", or a list of layer indices."""
+    if not isinstance(split, str):
+        return [int(point) for point in split]
+    if split != "parameters":
+        raise ValueError(
+            f"split={split!r}: expected 'parameters' or a list of layer indices where "
+            "stages 2.. begin (mirrored.pipeline_split.balance_by_time measures them)"
+        )
+    return split
 
 
 def _check_positive_int(name: str, value: Any) -> None:

@@ -1,9 +1,10 @@
-"""Cutting an ``nn.Sequential`` into pipeline stages, and checking that the stages chain.
+"""Cutting a model into pipeline stages, placing them, and checking that the stages chain.
 
-The split is a plan computed from the layers alone (no devices): contiguous runs of layers whose
-largest cost is as small as possible, cost being a layer's parameter count or its measured
+Where to cut is a plan computed from the layers alone (no devices): contiguous runs of layers
+whose largest cost is as small as possible, cost being a layer's parameter count or its measured
 forward + backward time (``balance_by_time``). Whether the stages chain is checked on the meta
-device, with the real input shapes, before any compute.
+device, with the real input shapes, before any compute; a parameter shared by stages on two
+devices is refused when the stages are placed.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from mirrored.config import LogicalDevice
+from mirrored.mirror import MirroredModule
 from mirrored.values import flatten, map_structure
 
 __all__ = [
@@ -26,6 +29,8 @@ __all__ = [
     "check_stages_chain",
     "meta_copy",
     "parameter_costs",
+    "place_stages",
+    "plan_stages",
     "split_sequential",
 ]
 
@@ -179,3 +184,49 @@ def check_stages_chain(
             ) from error
         except Exception:  # NotImplementedError on meta, or the model's own checks: the run tells
             return
+
+
+def plan_stages(
+    module: nn.Module | Sequence[nn.Module],
+    num_stages: int,
+    num_pipelines: int,
+    split: str | Sequence[int],
+) -> tuple[nn.Sequential, list[int]]:
+    """The model as one ``nn.Sequential`` and where its stages 2.. begin: a list of stage modules
+    as given, an ``nn.Sequential`` at ``split`` ("parameters": balanced parameter counts)."""
+    if isinstance(module, (list, tuple)):
+        if len(module) != num_stages or not all(isinstance(m, nn.Module) for m in module):
+            raise ValueError(
+                f"got {len(module)} stage module(s) for {num_stages} stages "
+                f"({num_stages * num_pipelines} devices / {num_pipelines} "
+                "pipeline(s)); pass one nn.Module per stage"
+            )
+        return nn.Sequential(*module), list(range(1, num_stages))
+    if isinstance(module, MirroredModule):
+        raise TypeError("module is already mirrored; pass the original nn.Module")
+    if not isinstance(module, nn.Sequential):
+        raise TypeError(
+            f"module={type(module).__name__}: PipelineStrategy cuts an nn.Sequential (or a "
+            "list of stage modules) into stages; express the model as nn.Sequential"
+        )
+    if isinstance(split, str):
+        return module, balanced_split_points(parameter_costs(list(module)), num_stages)
+    if len(split) != num_stages - 1:
+        raise ValueError(f"split={split}: {num_stages} stages need {num_stages - 1} split point(s)")
+    return module, list(split)
+
+
+def place_stages(stages: Sequence[nn.Module], devices: Sequence[LogicalDevice]) -> None:
+    """Move each stage to its device; a parameter shared by stages on different devices is an
+    error (it would sit on one of them only)."""
+    home: dict[int, tuple[int, torch.device]] = {}
+    for s, (stage, device) in enumerate(zip(stages, devices, strict=True)):
+        for param in stage.parameters():
+            previous = home.setdefault(id(param), (s, device.torch_device))
+            if previous[1] != device.torch_device:
+                raise ValueError(
+                    f"a parameter of shape {tuple(param.shape)} is shared by stages {previous[0]} "
+                    f"and {s}, which sit on different devices ({previous[1]} and "
+                    f"{device.torch_device}); put the layers that share it in one stage"
+                )
+        stage.to(device.torch_device)
