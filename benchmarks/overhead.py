@@ -362,7 +362,7 @@ def write_report(
 ) -> None:
     """``--json PATH``: one run's machine, settings and results as one JSON file (nothing when
     ``path`` is None), with the load average at the end beside the one at the start."""
-    if path is None:
+    if not path:
         return
     report = {"machine": machine, "settings": settings, **results}
     report["load_average_after"] = os.getloadavg()[0]

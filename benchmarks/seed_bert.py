@@ -186,6 +186,9 @@ class MirroredStepLog(mirrored.callbacks.Callback):
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         self.log.batch_end()
 
+    def reads_batch_logs(self, hook: str) -> bool:
+        return False  # a timer: fit need not compute the metrics' results every step
+
 
 # -- the sides (each in a process of its own) ------------------------------------------------------
 

@@ -110,12 +110,16 @@ def split_batch(
     start = sum(all_sizes[:first_shard])
     sizes = all_sizes[first_shard : first_shard + len(devices)]
 
-    whole = sizes == [batch_size]  # one shard, the whole batch: the batch's own tensors
+    whole = sizes == [batch_size]  # one shard, the whole batch: a view of each whole tensor
 
     def split(leaf: Any) -> Any:
         if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0:
             return leaf
-        shards = (leaf,) if whole else torch.split(leaf.narrow(0, start, sum(sizes)), sizes)
+        shards = (
+            (leaf.view_as(leaf),)
+            if whole
+            else torch.split(leaf.narrow(0, start, sum(sizes)), sizes)
+        )
         return PerReplicaShards(
             [_place(s, d, pin) for s, d in zip(shards, devices, strict=True)],
             global_batch_size,

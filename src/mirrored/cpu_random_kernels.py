@@ -100,6 +100,6 @@ def cpu_attention(
             scores = scores.masked_fill(~attn_mask, -math.inf)
         else:
             scores = scores + attn_mask
-    # A row with every position masked out attends to nothing (zeros), as in ATen, not NaN.
+    # A row with every position masked out gives what ATen gives on this torch (safe_softmax).
     weights = safe_softmax(scores, -1)
     return cpu_dropout(weights, dropout_p, False, False, generator) @ value

@@ -43,7 +43,8 @@ class ParameterSpec:
     dtype: torch.dtype
     contiguous: bool = True
     trainable: bool = True
-    state_index: int | None = 0  # its index in the optimizer's state_dict; None: not held
+    _: dataclasses.KW_ONLY
+    state_index: int | None  # its index in the optimizer's state_dict; None: not held
     param_group: int = 0  # the optimizer's param group that holds it
 
 
@@ -211,7 +212,8 @@ class ZeroPlan:
     owners: tuple[int, ...]  # each piece's owner, a replica index over every worker
     positions: tuple[int, ...]  # the trainable parameters the optimizer holds
     frozen: tuple[int, ...]  # held but frozen: no owner, their state stays as it is
-    state_index: Mapping[int, int]  # position -> index in the optimizer's state_dict
+    # position -> index in the optimizer's state_dict (read-only; left out of the plan's hash)
+    state_index: Mapping[int, int] = dataclasses.field(hash=False)
     kept_frozen_state: frozenset[int]  # frozen ones' state indices, kept by the chief's replica 0
     worker: int
     num_workers: int

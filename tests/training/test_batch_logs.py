@@ -1,10 +1,7 @@
-"""fit's batch logs: computed when a callback reads them, each holding its own batch's values."""
+"""fit's batch logs: the metrics' results only when a callback reads them, nothing else changed."""
 
 from __future__ import annotations
 
-import copy
-import json
-import pickle
 from typing import Any
 
 import pytest
@@ -12,13 +9,14 @@ import torch
 from torch import nn
 
 import mirrored
+from mirrored.callbacks import Callback
 from mirrored.metrics import Metric
-from mirrored.training.lazy_logs import LazyLogs
 
 NUM_EXAMPLES, BATCH = 96, 16
+STEPS = NUM_EXAMPLES // BATCH
 
 
-def _model(num_replicas: int) -> tuple[mirrored.Model, mirrored.Strategy]:
+def _model(num_replicas: int, **compile_kwargs: Any) -> tuple[mirrored.Model, mirrored.Strategy]:
     strategy = mirrored.MirroredStrategy([f"cpu:{i}" for i in range(num_replicas)])
     torch.manual_seed(0)
     with strategy.scope():
@@ -26,18 +24,34 @@ def _model(num_replicas: int) -> tuple[mirrored.Model, mirrored.Strategy]:
         model.compile(
             optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
             loss=mirrored.losses.SparseCategoricalCrossentropy(from_logits=True),
-            metrics=["accuracy"],
+            **({"metrics": ["accuracy"]} | compile_kwargs),
         )
     return model, strategy
 
 
-def _data() -> tuple[torch.Tensor, torch.Tensor]:
+def _data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(NUM_EXAMPLES, 6, generator=generator)
-    return x, torch.randint(0, 3, (NUM_EXAMPLES,), generator=generator)
+    weight = torch.rand(NUM_EXAMPLES, generator=generator)
+    return x, torch.randint(0, 3, (NUM_EXAMPLES,), generator=generator), weight
 
 
-class _ReadNow(mirrored.callbacks.Callback):
+def _fit(model: mirrored.Model, strategy: mirrored.Strategy, callbacks: list[Callback]) -> Any:
+    x, y, weight = _data()
+    with strategy:
+        return model.fit(
+            x,
+            y,
+            sample_weight=weight,
+            batch_size=BATCH,
+            epochs=2,
+            shuffle=False,
+            verbose=0,
+            callbacks=callbacks,
+        )
+
+
+class _Reads(Callback):
     def __init__(self) -> None:
         super().__init__()
         self.seen: list[dict[str, Any]] = []
@@ -46,34 +60,13 @@ class _ReadNow(mirrored.callbacks.Callback):
         self.seen.append(dict(logs))
 
 
-class _Keep(mirrored.callbacks.Callback):
-    def __init__(self) -> None:
-        super().__init__()
-        self.kept: list[Any] = []
-
-    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-        self.kept.append(logs)
+class _Times(_Reads):
+    def reads_batch_logs(self, hook: str) -> bool:
+        return False
 
 
-@pytest.mark.parametrize("num_replicas", [1, 2])
-def test_logs_read_after_later_batches_hold_their_own_batch_s_values(num_replicas: int) -> None:
-    model, strategy = _model(num_replicas)
-    now, kept = _ReadNow(), _Keep()
-    with strategy:
-        model.fit(*_data(), batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[kept])
-    # The same fit again, read at once, from the same start.
-    model, strategy = _model(num_replicas)
-    with strategy:
-        model.fit(*_data(), batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[now])
-    assert len(kept.kept) == len(now.seen) == 2 * NUM_EXAMPLES // BATCH
-    assert [dict(logs) for logs in kept.kept] == now.seen
-    losses = [logs["loss"] for logs in now.seen]
-    assert len(set(losses)) > 1  # the running loss moves from batch to batch
-    assert all(logs["num_examples"] == BATCH for logs in now.seen)
-
-
-def test_batches_whose_logs_nobody_reads_compute_no_results(monkeypatch) -> None:
-    calls = []
+def _count_results(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    calls: list[str] = []
     result = mirrored.metrics.Mean.result  # the loss's and the accuracy's (weighted means)
 
     def counted(self: Metric) -> float:
@@ -82,48 +75,86 @@ def test_batches_whose_logs_nobody_reads_compute_no_results(monkeypatch) -> None
 
     for cls in (mirrored.metrics.Mean, mirrored.metrics.MeanMetricWrapper):
         monkeypatch.setattr(cls, "result", counted)
-    model, strategy = _model(2)
-    with strategy:
-        history = model.fit(
-            *_data(), batch_size=BATCH, epochs=3, shuffle=False, verbose=0, callbacks=[_Keep()]
-        )
-    # Only each epoch's logs: the loss and the accuracy, three epochs.
-    assert sorted(calls) == sorted(["loss", "accuracy"] * 3)
-    assert len(history.history["loss"]) == 3
+    return calls
 
 
-def test_lazy_logs_compute_once_on_first_use_and_act_as_a_dict() -> None:
-    computed = []
-
-    def compute() -> dict[str, Any]:
-        computed.append(1)
-        return {"loss": 0.5, "accuracy": 0.25}
-
-    logs = LazyLogs(compute)
-    assert isinstance(logs, dict) and not computed
-    assert logs["loss"] == 0.5 and logs.get("accuracy") == 0.25 and "loss" in logs
-    assert len(computed) == 1
-    assert len(logs) == 2 and bool(logs) and sorted(logs) == ["accuracy", "loss"]
-    assert dict(logs) == {**logs} == {"loss": 0.5, "accuracy": 0.25} == logs
-    assert json.loads(json.dumps(logs)) == {"loss": 0.5, "accuracy": 0.25}
-    assert copy.copy(logs) == pickle.loads(pickle.dumps(logs)) == logs.copy() == dict(logs)
-    logs["learning_rate"] = 0.1
-    assert logs == {"loss": 0.5, "accuracy": 0.25, "learning_rate": 0.1}
-    assert len(computed) == 1
+def test_batches_whose_logs_nobody_reads_compute_no_results(monkeypatch) -> None:
+    calls = _count_results(monkeypatch)
+    timer = _Times()
+    history = _fit(*_model(2), [timer])
+    # Only each epoch's logs: the loss and the accuracy, two epochs.
+    assert sorted(calls) == sorted(["loss", "accuracy"] * 2)
+    assert len(history.history["loss"]) == 2
+    assert timer.seen == [{"num_examples": BATCH}] * (2 * STEPS)
 
 
-@pytest.mark.parametrize(
-    "use",
-    [
-        lambda logs: logs.update(extra=1),
-        lambda logs: logs.setdefault("extra", 1),
-        lambda logs: list(logs.items()),
-        lambda logs: repr(logs),
-        lambda logs: logs | {"extra": 1},
-    ],
-    ids=["update", "setdefault", "items", "repr", "or"],
-)
-def test_any_use_of_lazy_logs_fills_them_first(use: Any) -> None:
-    logs = LazyLogs(lambda: {"loss": 1.0})
-    use(logs)
-    assert logs["loss"] == 1.0
+def test_a_callback_that_overrides_the_hook_gets_every_batch_s_results(monkeypatch) -> None:
+    calls = _count_results(monkeypatch)
+    reader = _Reads()
+    _fit(*_model(2), [reader])
+    assert len(calls) == 2 * (2 * STEPS + 2)
+    losses = [logs["loss"] for logs in reader.seen]
+    assert len(set(losses)) > 1 and all(logs["num_examples"] == BATCH for logs in reader.seen)
+
+
+@pytest.mark.parametrize("num_replicas", [1, 2])
+def test_reading_the_logs_or_not_gives_bit_identical_epoch_logs(num_replicas: int) -> None:
+    quiet = _fit(*_model(num_replicas), [_Times()]).history
+    read = _fit(*_model(num_replicas), [_Reads()]).history
+    assert quiet == read  # exact floats, not close
+
+
+def test_a_compiled_metric_instance_is_current_at_every_batch() -> None:
+    accuracy = mirrored.metrics.SparseCategoricalAccuracy(name="acc")
+    seen: list[tuple[float, float]] = []
+
+    class Compare(Callback):
+        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+            seen.append((accuracy.result(), logs["acc"]))
+
+    model, strategy = _model(2, metrics=[accuracy])
+    _fit(model, strategy, [Compare()])
+    assert len(seen) == 2 * STEPS
+    assert all(own == logged for own, logged in seen)
+    assert len({own for own, _ in seen}) > 1
+
+
+def test_a_model_with_its_own_loss_and_no_logits_trains_on_labels_in_x() -> None:
+    class OwnLoss(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(6, 3)
+
+        def forward(self, features: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
+            return {"loss": nn.functional.cross_entropy(self.linear(features), labels)}
+
+    x, y, _ = _data()
+    model = mirrored.Model(OwnLoss())
+    model.compile(optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss=None)
+    history = model.fit({"features": x, "labels": y}, batch_size=BATCH, epochs=2, verbose=0)
+    assert history.history["loss"][1] < history.history["loss"][0]
+
+
+def test_which_callbacks_read_batch_logs() -> None:
+    callbacks = mirrored.callbacks
+    assert not Callback().reads_batch_logs("on_train_batch_end")
+    assert _Reads().reads_batch_logs("on_train_batch_end")
+    assert not _Reads().reads_batch_logs("on_test_batch_end")
+    assert not _Times().reads_batch_logs("on_train_batch_end")
+    lam = callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: None)
+    assert lam.reads_batch_logs("on_train_batch_end")
+    assert not callbacks.LambdaCallback(on_epoch_end=print).reads_batch_logs("on_train_batch_end")
+    assert callbacks.TerminateOnNaN().reads_batch_logs("on_train_batch_end")
+    assert not callbacks.TensorBoard("/tmp/unused").reads_batch_logs("on_train_batch_end")
+    assert callbacks.TensorBoard("/tmp/unused", update_freq=5).reads_batch_logs(
+        "on_train_batch_end"
+    )
+    assert not callbacks.ModelCheckpoint("/tmp/m.pt").reads_batch_logs("on_train_batch_end")
+    assert callbacks.ModelCheckpoint("/tmp/m.pt", save_freq=3).reads_batch_logs(
+        "on_train_batch_end"
+    )
+    listed = mirrored.callbacks.CallbackList([_Times(), callbacks.History()])
+    assert not listed.reads_batch_logs("on_train_batch_end")
+    assert mirrored.callbacks.CallbackList([_Times(), _Reads()]).reads_batch_logs(
+        "on_train_batch_end"
+    )

@@ -34,6 +34,15 @@ class Callback:
     def set_params(self, params: dict[str, Any]) -> None:
         self.params = params
 
+    def reads_batch_logs(self, hook: str) -> bool:
+        """Whether this callback's ``hook`` (``"on_train_batch_end"`` or ``"on_test_batch_end"``)
+        reads the loss and metrics in its logs. Those cost a host copy of the metrics, which
+        waits for the device to finish the step, so fit and evaluate compute them only when a
+        callback reads them; otherwise the hook gets ``{"num_examples": n}`` (training) or
+        ``{}``. By default a callback reads them when it overrides ``hook``; one that overrides
+        it only to time or count steps returns False here."""
+        return getattr(type(self), hook) is not getattr(Callback, hook)
+
     def state_dict(self) -> dict[str, Any]:
         """What this callback must remember across a restart (empty: nothing)."""
         return {}
@@ -82,6 +91,9 @@ class CallbackList(Callback):
         super().set_params(params)
         for callback in self.callbacks:
             callback.set_params(params)
+
+    def reads_batch_logs(self, hook: str) -> bool:
+        return any(callback.reads_batch_logs(hook) for callback in self.callbacks)
 
 
 def _fan_out(hook: str) -> Any:

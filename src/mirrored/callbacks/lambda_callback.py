@@ -55,6 +55,9 @@ class LambdaCallback(Callback):
             name: function for name, function in given.items() if function is not None
         }
 
+    def reads_batch_logs(self, hook: str) -> bool:
+        return hook in self.functions
+
 
 def _dispatch(hook: str, takes_index: bool) -> Any:
     if takes_index:

@@ -69,6 +69,9 @@ class ModelCheckpoint(MonitorCallback):
     def on_train_batch_begin(self, batch: int, logs: Logs | None = None) -> None:
         self._frequency.begin(batch)
 
+    def reads_batch_logs(self, hook: str) -> bool:
+        return hook == "on_train_batch_end" and self.save_freq != "epoch"
+
     def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
         if self._frequency.due(batch):
             self._frequency.saved()

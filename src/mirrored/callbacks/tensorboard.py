@@ -135,6 +135,10 @@ class TensorBoard(Callback):
         self._first_batch = batch
         self._batch_start = time.perf_counter()
 
+    def reads_batch_logs(self, hook: str) -> bool:
+        # Every batch counts its examples (always in the logs); metrics go out per batch only.
+        return hook == "on_train_batch_end" and self.update_freq != "epoch"
+
     def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
         now = time.perf_counter()
         logs = logs or {}

@@ -18,13 +18,22 @@ from mirrored.training.metric_set import MetricSet
 from mirrored.training.steps import Steps
 from mirrored.values import ReduceOp, map_structure
 
-__all__ = ["merge", "predict_only", "run_evaluate", "run_predict"]
+__all__ = ["batch_logs", "merge", "predict_only", "run_evaluate", "run_predict"]
 
 
 def merge(strategy: Any, metrics: MetricSet, state: Any) -> None:
-    """Add the replicas' partial sums to the metrics' running total (on the device: no host
-    copy until a result is read)."""
-    metrics.add(strategy.reduce(ReduceOp.SUM, state, axis=None))
+    """Add the replicas' partial sums to the metrics, where they are (no host copy)."""
+    metrics.merge(strategy.reduce(ReduceOp.SUM, state, axis=None))
+
+
+def batch_logs(
+    callbacks: CallbackList, hook: str, metrics: MetricSet, num_examples: int | None = None
+) -> dict[str, Any]:
+    """A batch's logs for ``hook``: the metrics' results only when a callback reads them."""
+    logs: dict[str, Any] = metrics.results() if callbacks.reads_batch_logs(hook) else {}
+    if num_examples is not None:
+        logs["num_examples"] = num_examples
+    return logs
 
 
 def run_evaluate(
@@ -45,12 +54,14 @@ def run_evaluate(
             callback_list.on_test_batch_begin(step)
             merge(local.strategy, steps.metrics, local.strategy.run(steps.test, args=(group,)))
             step += len(group)
-            callback_list.on_test_batch_end(step - 1, steps.metrics.batch_logs())
+            callback_list.on_test_batch_end(
+                step - 1, batch_logs(callback_list, "on_test_batch_end", steps.metrics)
+            )
     finally:
         local.set_training(was_training)
     if step == 0:
         raise ValueError("evaluate(): the evaluation data yielded no batches")
-    logs: dict[str, Any] = steps.metrics.results()
+    logs = steps.metrics.results()
     callback_list.on_test_end(logs)
     return logs
 

@@ -1,21 +1,19 @@
 """The loss tracker and the compiled metrics of a model, as one additive state vector.
 
-Replicas return their shard's sums (``batch_state``); the caller adds each step's reduced sums to
-a running total on the device (``add``), which reaches the metrics and the host only when a
-result is read: the epoch's logs, a callback that reads its batch logs (``batch_logs``), a
-backup of the state. So a step whose logs nobody reads never waits for the device.
+Replicas return their shard's sums (``batch_state``); the caller merges each step's reduced sums
+into the metrics where they are (on a GPU, on the GPU), so the metrics hold every step's sums in
+step order and nothing waits for the device until a result is read (``results``: the epoch's
+logs, or a batch's logs when a callback reads them).
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from mirrored.metrics import Mean, Metric
-from mirrored.training.lazy_logs import LazyLogs
 
 __all__ = ["MetricSet"]
 
@@ -27,9 +25,11 @@ class MetricSet:
         self.loss = Mean(name="loss")
         self.metrics = list(metrics)
         self.weighted = list(weighted)
-        self._base: list[dict[str, Any]] = []
-        self._pending: torch.Tensor | None = None
-        self.reset()
+
+    @property
+    def compares(self) -> bool:
+        """Whether any metric compares predictions with targets (beyond the loss tracker)."""
+        return bool(self.metrics or self.weighted)
 
     @property
     def all(self) -> list[Metric]:
@@ -48,7 +48,7 @@ class MetricSet:
         weighs the plain metrics, ``sample_weight`` the weighted ones)."""
         count = torch.as_tensor(loss_count, dtype=torch.float64, device=loss_total.device)
         parts = [torch.stack([loss_total, count])]
-        if self.metrics or self.weighted:
+        if self.compares:
             if y is None:
                 raise ValueError(
                     "compile()'s metrics compare the predictions with targets, but the data "
@@ -60,71 +60,23 @@ class MetricSet:
             ]
         return torch.cat([p.to(loss_total.device) for p in parts])
 
-    def add(self, state: torch.Tensor) -> None:
-        """Add one step's sums (all replicas') to the running total, on their device."""
-        self._pending = state if self._pending is None else self._pending + state
-
     def merge(self, state: torch.Tensor) -> None:
-        """Add ``state`` to the metrics now."""
-        self.add(state)
-        self._fold()
+        """Add one step's sums (all replicas') to the metrics, on the sums' device."""
+        offset = 0
+        for metric in self.all:
+            metric.merge_state(state[offset : offset + metric.num_state])
+            offset += metric.num_state
 
     def reset(self) -> None:
         for metric in self.all:
             metric.reset_state()
-        self._set_base([m.state_dict() for m in self.all])
 
     def results(self) -> dict[str, float]:
-        self._fold()
         return {m.name: m.result() for m in self.all}
 
-    def batch_logs(self, num_examples: int | None = None) -> LazyLogs:
-        """The results as they stand now (and ``num_examples`` when given), computed when first
-        read, from this moment's sums (later steps replace them, never change them in place)."""
-        base, pending = self._base, self._pending
-
-        def compute() -> dict[str, Any]:
-            if base is self._base and pending is self._pending:  # read before the next step
-                results = self.results()
-            else:
-                results = {m.name: m.result() for m in self._calculators(base, pending)}
-            return results if num_examples is None else {**results, "num_examples": num_examples}
-
-        return LazyLogs(compute)
-
     def state_dict(self) -> list[dict[str, Any]]:
-        self._fold()
-        return list(self._base)
+        return [m.state_dict() for m in self.all]
 
     def load_state_dict(self, states: list[dict[str, Any]]) -> None:
         for metric, state in zip(self.all, states, strict=True):
             metric.load_state_dict(state)
-        self._set_base([m.state_dict() for m in self.all])
-
-    # -- the running sums --------------------------------------------------------------------------
-    def _set_base(self, base: list[dict[str, Any]]) -> None:
-        self._base = base  # CPU copies of the merged sums, one state_dict per metric
-        self._pending = None  # sums added since, on the device
-
-    def _calculators(
-        self, base: list[dict[str, Any]], pending: torch.Tensor | None
-    ) -> list[Metric]:
-        """Copies of the metrics holding ``base`` plus ``pending`` (one host copy)."""
-        metrics = [copy.copy(m) for m in self.all]
-        for metric, saved in zip(metrics, base, strict=True):
-            metric.load_state_dict(saved)
-        if pending is not None:
-            sums, offset = pending.detach().cpu(), 0
-            for metric in metrics:
-                metric.merge_state(sums[offset : offset + metric.num_state])
-                offset += metric.num_state
-        return metrics
-
-    def _fold(self) -> None:
-        """Merge what ``add`` holds into the metrics themselves."""
-        if self._pending is None:
-            return
-        folded = [m.state_dict() for m in self._calculators(self._base, self._pending)]
-        for metric, state in zip(self.all, folded, strict=True):
-            metric.load_state_dict(state)
-        self._set_base(folded)

@@ -22,7 +22,7 @@ from mirrored.input import global_batch_size_of
 from mirrored.mirror import MirroredModule
 from mirrored.training import saved_state
 from mirrored.training.data_adapter import DataAdapter
-from mirrored.training.evaluation import merge
+from mirrored.training.evaluation import batch_logs, merge
 from mirrored.training.loop import FitRequest, FitRun
 from mirrored.training.saved_state import ModelParts
 
@@ -102,7 +102,8 @@ class ReplicatedLoop:
             step += len(group)
             progress.iterations += len(group)
             run.position = {"epoch": epoch, "step": step, "consumed": data.consumed}
-            run.callbacks.on_train_batch_end(step - 1, steps.metrics.batch_logs(sum(sizes)))
+            logs = batch_logs(run.callbacks, "on_train_batch_end", steps.metrics, sum(sizes))
+            run.callbacks.on_train_batch_end(step - 1, logs)
             if run.stop_training:
                 break
         if not ran and step == 0:

@@ -279,7 +279,7 @@ class Steps:
             loss.total(),
             loss.count,
             targets.y,
-            predictions(y_pred) if targets.y is not None else None,
+            predictions(y_pred) if targets.y is not None and self.metrics.compares else None,
             targets.mask,
             targets.sample_weight,
         )
