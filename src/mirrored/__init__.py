@@ -42,7 +42,8 @@ from mirrored.loss_scaling import (
     scale_regularization_loss,
     scale_shard_mean,
 )
-from mirrored.mirror import MirroredModule, MirroredOptimizer
+from mirrored.mirrored_module import MirroredModule
+from mirrored.mirrored_optimizer import MirroredOptimizer
 from mirrored.mirrored_strategy import MirroredStrategy
 from mirrored.multi_worker import (
     CommunicationImplementation,

@@ -39,7 +39,8 @@ from mirrored.input import (
     shardable_loader,
 )
 from mirrored.local_sgd import LocalSGD, LocalSteps
-from mirrored.mirror import MirroredModule, MirroredOptimizer, tensors_of
+from mirrored.mirrored_module import MirroredModule, tensors_of
+from mirrored.mirrored_optimizer import MirroredOptimizer
 from mirrored.mirrored_strategy import MirroredStrategy, default_devices
 from mirrored.powersgd import PowerSGD
 from mirrored.rendezvous import ReplicaExchange

@@ -35,14 +35,12 @@ from mirrored.config import DeviceSpec, LogicalDevice
 from mirrored.context import ReplicaContext, current_replica_context
 from mirrored.cross_device_ops import ReductionToOneDevice
 from mirrored.device_runtime import cap_process_memory, intra_op_threads
-from mirrored.mirror import (
-    MirroredModule,
-    MirroredOptimizer,
-    check_optimizer_params,
-    holds_any,
-    replicate_optimizer,
-)
+from mirrored.mirror import replicate_optimizer
+from mirrored.mirror_checks import check_optimizer_params
+from mirrored.mirrored_module import MirroredModule
+from mirrored.mirrored_optimizer import MirroredOptimizer
 from mirrored.mirrored_strategy import default_devices
+from mirrored.optimizer_routes import holds_any
 from mirrored.param_groups import snapshot, take_hyperparameters
 from mirrored.pipeline_executor import (
     Pipeline,

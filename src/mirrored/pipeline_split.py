@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from mirrored.config import LogicalDevice
-from mirrored.mirror import MirroredModule
+from mirrored.mirrored_module import MirroredModule
 from mirrored.values import flatten, map_structure
 
 __all__ = [

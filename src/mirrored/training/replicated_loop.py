@@ -19,7 +19,7 @@ from torch import nn
 
 from mirrored import checkpoint, rng_state
 from mirrored.input import global_batch_size_of
-from mirrored.mirror import MirroredModule
+from mirrored.mirrored_module import MirroredModule
 from mirrored.training import saved_state
 from mirrored.training.data_adapter import DataAdapter
 from mirrored.training.evaluation import batch_logs, merge
