@@ -170,7 +170,7 @@ def get_strategy() -> Strategy:
         return _state.replica_context.strategy
     if _state.strategy_stack:
         return _state.strategy_stack[-1]
-    from mirrored.strategy import default_strategy
+    from mirrored.default_strategy import default_strategy
 
     return default_strategy()
 
@@ -196,6 +196,6 @@ def get_replica_context() -> ReplicaContext | None:
         return _state.replica_context
     if _state.strategy_stack:
         return None
-    from mirrored.strategy import default_strategy
+    from mirrored.default_strategy import default_strategy
 
     return default_strategy().default_replica_context()

@@ -10,7 +10,6 @@ from typing import Any
 import torch
 
 from mirrored import config
-from mirrored.accumulation import check_accumulation_steps
 from mirrored.config import DeviceSpec, LogicalDevice
 from mirrored.context import current_replica_context
 from mirrored.cross_device_ops import CrossDeviceOps, choose_cross_device_ops
@@ -21,10 +20,9 @@ from mirrored.local_sgd import LocalSGD
 from mirrored.random_routing import ReplicaRandomness
 from mirrored.rendezvous import Rendezvous
 from mirrored.replica_workers import Outcome, ReplicaWorkers
+from mirrored.replicated_strategy import ReplicatedStrategy, observe_backward
 from mirrored.step_seeds import StepSeed
-from mirrored.strategy import Strategy, observe_backward
 from mirrored.values import flatten
-from mirrored.zero_redundancy import check_zero_stage
 
 __all__ = ["MirroredStrategy"]
 
@@ -34,7 +32,7 @@ def default_devices() -> list[LogicalDevice]:
     return config.list_logical_devices("GPU") or config.list_logical_devices("CPU")
 
 
-class MirroredStrategy(Strategy):
+class MirroredStrategy(ReplicatedStrategy):
     """Synchronous data parallelism over the devices of one process.
 
     Replica 0 runs on the calling thread, the others on persistent worker threads.
@@ -74,22 +72,10 @@ class MirroredStrategy(Strategy):
         load_balancing: LoadBalancing | None = None,
         zero_stage: int = 0,
     ) -> None:
-        self.gradient_accumulation_steps = check_accumulation_steps(gradient_accumulation_steps)
-        self.zero_stage = check_zero_stage(zero_stage)
         if load_balancing is not None and not isinstance(load_balancing, LoadBalancing):
             raise TypeError(
                 f"load_balancing={load_balancing!r}: expected mirrored.LoadBalancing(...)"
             )
-        if local_sgd is not None and not isinstance(local_sgd, LocalSGD):
-            raise TypeError(
-                f"local_sgd={local_sgd!r}: expected mirrored.LocalSGD(period=..., warmup_steps=...)"
-            )
-        if local_sgd is not None and zero_stage:
-            raise ValueError(
-                f"local_sgd and zero_stage={zero_stage} do not combine: local SGD updates every "
-                "replica with its own gradient, so each replica needs the whole optimizer state"
-            )
-        self.local_sgd = local_sgd
         if isinstance(devices, (str, torch.device)):
             raise TypeError(
                 f"devices={devices!r}: expected a list of devices, such as [{str(devices)!r}]"
@@ -104,7 +90,14 @@ class MirroredStrategy(Strategy):
             )
         ops = cross_device_ops or choose_cross_device_ops(logical)
         ops.validate(logical)
-        super().__init__(logical, ops, timeout_seconds)
+        super().__init__(
+            logical,
+            ops,
+            timeout_seconds,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            local_sgd=local_sgd,
+            zero_stage=zero_stage,
+        )
         config.mark_in_use(logical)
         cap_process_memory(logical)
 

@@ -354,6 +354,10 @@ class PipelineStrategy(Strategy):
         return [pipeline.timelines() for pipeline in self._pipelines]
 
     # -- lifetime ---------------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
     def close(self) -> None:
         """Stop the replica and stage threads; the strategy cannot run afterwards."""
         if current_replica_context() is not None:

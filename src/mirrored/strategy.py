@@ -1,9 +1,11 @@
-"""The Strategy contract, written once for every strategy.
+"""The Strategy contract: what every strategy does, written once.
 
 A strategy owns replicas (one per device) and runs a step on all of them: ``run`` hands each
 replica its slice of the arguments, ``reduce`` / ``gather`` combine their results, and datasets
-are split into per-replica shards. Subclasses say only how replica functions are executed
-(``_execute``) and which devices exist.
+are split into per-replica shards. ``Strategy`` is abstract: a subclass says how replica
+functions are executed (``_execute``), how a model is mirrored (``mirror``) and how it is closed.
+The features of the replicated strategies (gradient accumulation, local SGD, ZeRO) live on their
+family, :class:`mirrored.replicated_strategy.ReplicatedStrategy`.
 """
 
 from __future__ import annotations
@@ -14,15 +16,13 @@ import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from mirrored import context
-from mirrored.accumulation import AccumulationWindow
-from mirrored.bucketing import PackedTensors
-from mirrored.config import LogicalDevice, list_logical_devices
-from mirrored.cross_device_ops import CrossDeviceOps, HierarchicalCopyAllReduce
+from mirrored.config import LogicalDevice
+from mirrored.cross_device_ops import CrossDeviceOps
 from mirrored.input import (
     DistributedDataset,
     InputContext,
@@ -33,21 +33,19 @@ from mirrored.input import (
     global_batch_size_of,
     prefetch_depth,
 )
-from mirrored.local_sgd import LocalSGD, LocalSteps
-from mirrored.loss_scaling import check_loss_scaling
-from mirrored.rendezvous import Rendezvous, ReplicaAbortedError, ReplicaExchange
+from mirrored.rendezvous import Rendezvous, ReplicaExchange
+from mirrored.replica_collectives import all_gather_local, all_reduce_in_buckets
+from mirrored.replica_failures import add_note, first_failure
 from mirrored.replica_workers import Outcome
 from mirrored.values import PerReplica, ReduceOp, flatten, map_structure, regroup, select_replica
-from mirrored.zero_redundancy import ZeroRedundancy
 
 if TYPE_CHECKING:
+    from mirrored.accumulation import AccumulationWindow
     from mirrored.gradient_reducer import OverlappedGradientReducer
-    from mirrored.mirror import MirroredModule, MirroredOptimizer
-    from mirrored.worker_group import WorkerGroup
+    from mirrored.local_sgd import LocalSteps
+    from mirrored.zero_redundancy import ZeroRedundancy
 
-__all__ = ["Strategy", "SyncsBuffers", "add_note", "default_strategy", "observe_backward"]
-
-OptimizerT = TypeVar("OptimizerT", bound=torch.optim.Optimizer)
+__all__ = ["Strategy", "SyncsBuffers", "add_note"]
 
 
 class Replicated(Protocol):
@@ -68,21 +66,12 @@ class SyncsBuffers(abc.ABC):
         """Collective: called on every replica as its part of a run ends."""
 
 
-class Strategy:
+class Strategy(abc.ABC):
     """Base class of all strategies: the contract of ``mirrored``'s front-ends."""
 
     # Whether ``param.grad`` holds a replica's gradient between ``loss.backward()`` and
     # ``optimizer.step()`` (so that it can be unscaled or clipped there).
     gradients_after_backward = True
-    # How many ``optimizer.step()`` calls of a mirrored optimizer make one update
-    # (:mod:`mirrored.accumulation`); only the mirrored strategies take another value.
-    gradient_accumulation_steps = 1
-    # Periodic parameter averaging instead of a gradient all-reduce per update
-    # (:mod:`mirrored.local_sgd`); only the mirrored strategies take one.
-    local_sgd: LocalSGD | None = None
-    # Sharded optimizer state (1) and gradients (2) (:mod:`mirrored.zero_redundancy`); only the
-    # mirrored strategies take another value than 0.
-    zero_stage: int = 0
 
     def __init__(
         self,
@@ -99,7 +88,6 @@ class Strategy:
         self.timeout_seconds = timeout_seconds
         # Insertion-ordered (a dict), so resyncs can run newest first.
         self._replicated: weakref.WeakKeyDictionary[Replicated, None] = weakref.WeakKeyDictionary()
-        self._windows: weakref.WeakSet[AccumulationWindow] = weakref.WeakSet()
         self._run_lock = threading.Lock()
         # Each local replica's context while a run is under way (None between runs): autograd
         # hooks, which may run on autograd's device threads, find their step's exchange here.
@@ -131,7 +119,7 @@ class Strategy:
         worker raises if the chief's write failed; call it on every worker at the same point."""
         write()
 
-    def check_same_on_workers(self, value: Any, what: str) -> None:
+    def check_same_on_workers(self, value: Any, what: str) -> None:  # noqa: B027 (a no-op)
         """Raise ``ValueError`` unless every worker holds the same tensors in ``value`` (after a
         restore: workers that read different files would train apart). In one process, nothing
         to check; call it on every worker at the same point."""
@@ -295,12 +283,11 @@ class Strategy:
         self, failures: list[tuple[int, BaseException]], rendezvous: Rendezvous
     ) -> BaseException:
         """The error to raise: the first real failure (not a released replica), annotated."""
-        real = [(i, e) for i, e in failures if not isinstance(e, ReplicaAbortedError)]
-        if not real:
+        first = first_failure(failures, rendezvous.abort_reason)
+        if first is None:
             assert rendezvous.abort_reason is not None
             return rendezvous.abort_reason
-        # The replica that failed first is the one whose error aborted the rendezvous.
-        replica_id, error = next(((i, e) for i, e in real if e is rendezvous.abort_reason), real[0])
+        replica_id, error = first
         note = (
             f"raised in replica {self._first_replica_id + replica_id} of "
             f"{self.num_replicas_in_sync} (device {self.devices[replica_id].short_name})"
@@ -308,9 +295,10 @@ class Strategy:
         add_note(error, note)
         return error
 
+    @abc.abstractmethod
     def _execute(self, tasks: Sequence[Callable[[], Any]], rendezvous: Rendezvous) -> list[Outcome]:
-        """Run one task per replica and return their outcomes; subclasses choose how."""
-        raise NotImplementedError
+        """Run one task per replica and return their outcomes: threads, a pipeline's stages, or
+        the caller's thread."""
 
     @contextmanager
     def _replica_scope(self, replica_id: int) -> Iterator[None]:
@@ -322,28 +310,14 @@ class Strategy:
     ) -> list[torch.Tensor]:
         """Collective: reduce a list of tensors across replicas, packed into buckets. Every
         replica must pass the same shapes and dtypes (a ValueError naming them otherwise)."""
-        if self.num_replicas_in_sync == 1:  # the same results as N > 1 would give
-            return [t / 1 if reduce_op is ReduceOp.MEAN else t for t in tensors]
-        signature = [(tuple(t.shape), t.dtype) for t in tensors]
-        everyone = replica.exchange.all("all_reduce", signature)
-        if any(other != signature for other in everyone):
-            shapes = ", ".join(
-                f"replica {i}: {[shape for shape, _ in sig]} {sorted({str(d) for _, d in sig})}"
-                for i, sig in enumerate(everyone)
-            )
-            raise ValueError(
-                f"all_reduce needs the same shapes and dtypes on every replica; got {shapes}. "
-                "Reduce per-replica sums or counts (e.g. x.sum(0)), not ragged shards"
-            )
-        plan = self.cross_device_ops.plan(tensors)
-        packed = PackedTensors(plan, [t.shape for t in tensors], replica.device)
-        packed.pack(tensors)
-        for buffer in packed.buffers:
-            self._all_reduce_buffer(replica.exchange, buffer)
-        reduced = packed.unpacked()
-        if reduce_op is ReduceOp.MEAN:  # out of place: the mean of integer counts is a float
-            return [t / self.num_replicas_in_sync for t in reduced]
-        return reduced
+        return all_reduce_in_buckets(
+            replica,
+            reduce_op,
+            tensors,
+            self.cross_device_ops,
+            self._all_reduce_buffer,
+            self.num_replicas_in_sync,
+        )
 
     def all_gather_tensors(
         self, replica: context.ReplicaContext, tensors: Sequence[torch.Tensor], axis: int
@@ -352,14 +326,7 @@ class Strategy:
         order, on this replica's device (sizes along ``axis`` may differ)."""
         if len(self.devices) == 1:
             return list(tensors)
-        everyone = replica.exchange.all("all_gather", list(tensors), cross_device=True)
-        gathered = [
-            torch.cat([peer[i].to(replica.device) for peer in everyone], dim=axis)
-            for i in range(len(tensors))
-        ]
-        # Peers must not change their inputs before everyone has read them.
-        replica.exchange.barrier("all_gather done", cross_device=True)
-        return gathered
+        return all_gather_local(replica, tensors, axis)
 
     def _all_reduce_buffer(self, exchange: ReplicaExchange, flat: torch.Tensor) -> None:
         """Collective: sum one flat bucket over every replica, in place."""
@@ -433,7 +400,7 @@ class Strategy:
         """How global batches are split when not evenly (None: evenly)."""
         return None
 
-    def _observe_run(self, rendezvous: Rendezvous, inputs: Any) -> None:
+    def _observe_run(self, rendezvous: Rendezvous, inputs: Any) -> None:  # noqa: B027 (a hook)
         """After a successful run on ``inputs`` (its positional and keyword arguments)."""
 
     def distribute_datasets_from_function(
@@ -458,40 +425,29 @@ class Strategy:
         return regroup(values) if len(values) > 1 else PerReplica(values)
 
     # -- models -----------------------------------------------------------------------------------
-    @overload
-    def mirror(
-        self, module: torch.nn.Module, optimizer: None = None, *, sync_batch_norm: bool = False
-    ) -> MirroredModule: ...
-
-    @overload
-    def mirror(
-        self, module: torch.nn.Module, optimizer: OptimizerT, *, sync_batch_norm: bool = False
-    ) -> tuple[MirroredModule, MirroredOptimizer]: ...
-
+    @abc.abstractmethod
     def mirror(
         self,
         module: torch.nn.Module,
         optimizer: torch.optim.Optimizer | None = None,
         *,
         sync_batch_norm: bool = False,
-    ) -> MirroredModule | tuple[MirroredModule, MirroredOptimizer]:
-        """One replica of ``module`` per device (the original becomes replica 0), and an optimizer
-        whose ``step()`` inside ``strategy.run`` all-reduces the gradients, then updates every
-        replica. See :mod:`mirrored.mirror`."""
-        from mirrored.mirror import mirror_module
+    ) -> Any:
+        """Place ``module`` (and ``optimizer``) on this strategy's replicas; returns proxies
+        that resolve to the current replica inside ``run``."""
 
-        return mirror_module(self, module, optimizer, sync_batch_norm=sync_batch_norm)
+    # What a mirrored optimizer (mirror.py, PipelinedOptimizer) asks as it is made: nothing
+    # here; ReplicatedStrategy answers with its accumulation, local SGD and ZeRO.
+    def accumulation_window(self) -> AccumulationWindow | None:
+        """A new mirrored optimizer's window of micro-steps (None: it updates at every step)."""
+        return None
 
-    def gradient_reducer(
-        self,
-        params: Sequence[Sequence[torch.nn.Parameter]],
-        window: AccumulationWindow | None,
-        local: LocalSteps | None,
-    ) -> OverlappedGradientReducer | None:
-        """What reduces the gradients of a mirrored optimizer's ``params`` (each local replica's)
-        during backward; None: ``optimizer.step()`` all-reduces them (one process). ``window``:
-        the optimizer's accumulation window, if it accumulates; ``local``: its local SGD
-        schedule, if any (local updates reduce nothing)."""
+    def holding_gradients(self, local_replica_id: int) -> bool:
+        """Whether a mirrored optimizer is inside an accumulation window on this replica."""
+        return False
+
+    def local_steps(self) -> LocalSteps | None:
+        """A new mirrored optimizer's local SGD schedule (None: every update is synchronous)."""
         return None
 
     def zero_redundancy(
@@ -499,44 +455,25 @@ class Strategy:
         optimizers: Sequence[torch.optim.Optimizer],
         params: Sequence[Sequence[torch.nn.Parameter]],
     ) -> ZeroRedundancy | None:
-        """A new mirrored optimizer's sharding of its state over the replicas (None: with
-        ``zero_stage=0`` every replica keeps all of it)."""
-        if self.zero_stage == 0:
-            return None
-        replicas_per_worker, worker, group = self._workers_layout()
-        return ZeroRedundancy(
-            self.zero_stage, optimizers, params, replicas_per_worker, worker, group
-        )
+        """A new mirrored optimizer's sharding of its state (None: every replica keeps all)."""
+        return None
 
-    def _workers_layout(self) -> tuple[list[int], int, WorkerGroup | None]:
-        """How many replicas each worker runs, this worker's rank and the workers' group."""
-        return [len(self.devices)], 0, None
-
-    def local_steps(self) -> LocalSteps | None:
-        """A new mirrored optimizer's local SGD schedule (None: every update is synchronous)."""
-        if self.local_sgd is None:
-            return None
-        return LocalSteps(self.local_sgd, len(self.devices))
-
-    def accumulation_window(self) -> AccumulationWindow | None:
-        """A new mirrored optimizer's window of micro-steps (None: it updates at every step)."""
-        if self.gradient_accumulation_steps == 1:
-            return None
-        window = AccumulationWindow(self.gradient_accumulation_steps, len(self.devices))
-        self._windows.add(window)
-        return window
-
-    def holding_gradients(self, local_replica_id: int) -> bool:
-        """Whether a mirrored optimizer is inside an accumulation window on this replica: its
-        gradients are the window's so far, and ``zero_grad()`` leaves them."""
-        return any(window.holding(local_replica_id) for window in list(self._windows))
+    def gradient_reducer(
+        self,
+        params: Sequence[Sequence[torch.nn.Parameter]],
+        window: AccumulationWindow | None,
+        local: LocalSteps | None,
+    ) -> OverlappedGradientReducer | None:
+        """What reduces a mirrored optimizer's gradients in backward (None: its ``step()``)."""
+        return None
 
     # -- lifetime ---------------------------------------------------------------------------------
     @property
+    @abc.abstractmethod
     def closed(self) -> bool:
         """Whether ``close()`` was called (the strategy cannot run any more)."""
-        return False
 
+    @abc.abstractmethod
     def close(self) -> None:
         """Release threads and other resources; idempotent."""
 
@@ -556,64 +493,7 @@ _AFTER_FN = (
 )
 
 
-def add_note(error: BaseException, note: str) -> None:
-    """``error.add_note(note)``, on Python 3.10 too, once."""
-    notes: list[str] = getattr(error, "__notes__", [])
-    if note not in notes:
-        error.__notes__ = [*notes, note]  # type: ignore[attr-defined]
-
-
-def observe_backward(roots: tuple[torch.Tensor, ...]) -> None:
-    """As a replica starts a backward pass from ``roots``: count it (a mirrored optimizer checks
-    at its step that every replica ran one), and refuse a loss averaged over the replica's shard
-    (:mod:`mirrored.loss_scaling`)."""
-    replica = context.current_replica_context()
-    if replica is not None:
-        check_loss_scaling(roots, replica)
-        replica.backward_passes += 1
-
-
 def _to_device(structure: Any, device: torch.device | None) -> Any:
     if device is None:
         return structure
     return map_structure(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, structure)
-
-
-class _DefaultStrategy(Strategy):
-    """No distribution: one replica, run on the caller's thread, tensors where the user put them.
-    What ``get_strategy()`` returns outside any scope, so front-ends need no special case."""
-
-    def __init__(self) -> None:
-        super().__init__(list_logical_devices("CPU")[:1], HierarchicalCopyAllReduce(), None)
-        self._default_replica = context.ReplicaContext(
-            self, 0, ReplicaExchange(Rendezvous(1, None), 0, torch.device("cpu"), ())
-        )
-
-    @property
-    def _input_devices(self) -> tuple[torch.device | None, ...]:
-        return (None,)
-
-    def default_replica_context(self) -> context.ReplicaContext:
-        return self._default_replica
-
-    def _execute(self, tasks: Sequence[Callable[[], Any]], rendezvous: Rendezvous) -> list[Outcome]:
-        try:
-            return [(True, tasks[0]())]
-        except BaseException as error:
-            return [(False, error)]
-
-    def mirror(
-        self,
-        module: torch.nn.Module,
-        optimizer: torch.optim.Optimizer | None = None,
-        *,
-        sync_batch_norm: bool = False,
-    ) -> Any:
-        """Nothing to mirror with one replica: the module and optimizer are returned unchanged."""
-        return module if optimizer is None else (module, optimizer)
-
-
-@functools.cache
-def default_strategy() -> _DefaultStrategy:
-    """The one-replica strategy in effect outside any ``strategy.scope()``."""
-    return _DefaultStrategy()

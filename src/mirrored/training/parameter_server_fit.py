@@ -35,9 +35,9 @@ from torch import nn
 
 from mirrored.callbacks.backup_and_restore import BackupAndRestore
 from mirrored.cluster_coordinator import ClusterCoordinator, RemoteValue
+from mirrored.default_strategy import default_strategy
 from mirrored.input import InputContext
 from mirrored.parameter_server import ParameterServerStrategy
-from mirrored.strategy import default_strategy
 from mirrored.training.data_adapter import DataAdapter, _is_array_structure, unpack_batch
 from mirrored.training.lazy_build import has_lazy_parameters
 from mirrored.training.loop import FitRequest, FitRun

@@ -1,0 +1,53 @@
+"""The replicated family: the mirrored strategies' features live on it, not on the contract."""
+
+from __future__ import annotations
+
+import pytest
+
+import mirrored
+from mirrored.replicated_strategy import ReplicatedStrategy
+
+FAMILY_ATTRIBUTES = ["gradient_accumulation_steps", "local_sgd", "zero_stage"]
+FAMILY_METHODS = ["_workers_layout"]
+
+
+def test_the_mirrored_strategies_are_the_replicated_family():
+    assert issubclass(mirrored.MirroredStrategy, ReplicatedStrategy)
+    assert issubclass(mirrored.MultiWorkerMirroredStrategy, ReplicatedStrategy)
+    assert not issubclass(mirrored.PipelineStrategy, ReplicatedStrategy)
+    assert not issubclass(mirrored.ParameterServerStrategy, ReplicatedStrategy)
+
+
+def test_a_mirrored_strategy_keeps_its_features_as_attributes():
+    local_sgd = mirrored.LocalSGD(period=2)
+    with mirrored.MirroredStrategy(
+        ["cpu:0", "cpu:1"], gradient_accumulation_steps=3, local_sgd=local_sgd
+    ) as strategy:
+        assert strategy.gradient_accumulation_steps == 3
+        assert strategy.local_sgd is local_sgd
+        assert strategy.zero_stage == 0
+    with mirrored.MirroredStrategy(["cpu:0", "cpu:1"], zero_stage=2) as strategy:
+        assert strategy.zero_stage == 2
+
+
+def test_a_pipeline_carries_none_of_the_family_features():
+    with mirrored.PipelineStrategy(["cpu:0", "cpu:1"], num_microbatches=2) as strategy:
+        for name in FAMILY_ATTRIBUTES + FAMILY_METHODS:
+            assert not hasattr(strategy, name), name
+
+
+@pytest.mark.parametrize("name", FAMILY_ATTRIBUTES + FAMILY_METHODS)
+def test_the_parameter_server_strategy_carries_none_of_the_family_features(name):
+    assert not hasattr(mirrored.ParameterServerStrategy, name)
+
+
+def test_a_pipeline_optimizer_runs_without_the_family_features():
+    """PipelinedOptimizer is a mirrored optimizer: the contract answers its questions with
+    'none' (no window, no local steps, no sharding, no reducer)."""
+    import torch
+
+    with mirrored.PipelineStrategy(["cpu:0", "cpu:1"], num_microbatches=2) as strategy:
+        net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+        _, optimizer = strategy.mirror(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        assert optimizer.zero_stage == 0
+        assert not strategy.holding_gradients(0)
