@@ -28,8 +28,7 @@ from mirrored import checkpoint, context
 from mirrored import optimizers as optimizers_module
 from mirrored.callbacks.callback import Callback, CallbackList
 from mirrored.callbacks.history import History
-from mirrored.mirror_checks import check_optimizer_params
-from mirrored.mirrored_module import MirroredModule
+from mirrored.mirror import MirroredModule, check_optimizer_params
 from mirrored.parameter_server import ParameterServerStrategy
 from mirrored.training import arguments, evaluation, lazy_build, saved_state
 from mirrored.training.data_adapter import DataAdapter
