@@ -64,6 +64,28 @@ def test_a_replica_that_returns_early_releases_the_waiting_one():
     assert "replica 0 waits at sync point 'optimizer.step'" in str(rendezvous.abort_reason)
 
 
+def test_an_exchange_completed_before_an_abort_returns_its_values():
+    # Replica 1 completes the exchange and fails before replica 0 leaves its wait (it holds
+    # the rendezvous' lock until then): replica 0 has its values, and is released at its next
+    # sync point, as if it had left the wait first.
+    rendezvous = Rendezvous(2, timeout_seconds=10)
+
+    def body(replica_id):
+        if replica_id == 0:
+            values = rendezvous.exchange(0, "x", "zero")
+            with pytest.raises(ReplicaAbortedError):
+                rendezvous.exchange(0, "y", None)
+            return values
+        while rendezvous.waiting() != {0: "x"}:
+            time.sleep(0.001)
+        with rendezvous._cond:  # keeps replica 0 in its wait until the abort
+            values = rendezvous.exchange(1, "x", "one")
+            rendezvous.abort(RuntimeError("replica 1 failed"))
+        return values
+
+    assert _in_threads(2, body) == [["zero", "one"]] * 2
+
+
 def test_a_missing_replica_times_out_with_its_id():
     rendezvous = Rendezvous(3, timeout_seconds=0.2)
     outcomes = _in_threads(3, lambda i: None if i == 2 else rendezvous.exchange(i, "x", i))

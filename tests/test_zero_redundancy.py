@@ -4,6 +4,7 @@ replica, and the plain single-optimizer state_dict."""
 from __future__ import annotations
 
 import copy
+import time
 from pathlib import Path
 
 import pytest
@@ -278,17 +279,30 @@ def test_a_run_failing_after_the_owners_updated_leaves_the_steps_parameters_and_
 ) -> None:
     # Replica 1 fails at the sync point after every owner's update (as a Ctrl-C or a peer's
     # failure would release it there): the owners' values go with their advanced state, so
-    # the model ends where two full steps put it, on every replica.
+    # the model ends where two full steps put it, on every replica. Replica 1 arrives last at
+    # each sync point and fails before replica 0 has left the one before the update (it holds
+    # the rendezvous' lock until its next sync call): replica 0 still makes its update.
     batches = make_batches(num_examples=2 * 16, batch_size=16)
     expected = make_mlp()
     plain_optimizer = torch.optim.Adam(expected.parameters(), lr=1e-2)
     train_plain(expected, plain_optimizer, batches)
     exchange_all = ReplicaExchange.all
-    fail = {"on": False}
+    fail = {"on": False, "holding": False}
 
     def failing(self: ReplicaExchange, label: str, value, cross_device: bool = False):
-        if fail["on"] and self.replica_id == 1 and label == "ZeRO: parameters updated":
-            raise RuntimeError("interrupted")
+        if not fail["on"] or self.replica_id == 0:
+            return exchange_all(self, label, value, cross_device)
+        if label == "ZeRO: parameters updated":
+            error = RuntimeError("interrupted")
+            self.rendezvous.abort(error)
+            self.rendezvous._cond.release()
+            raise error
+        if fail["holding"]:
+            self.rendezvous._cond.release()
+        while self.rendezvous.waiting() != {0: label}:
+            time.sleep(0.001)
+        self.rendezvous._cond.acquire()
+        fail["holding"] = True
         return exchange_all(self, label, value, cross_device)
 
     monkeypatch.setattr(ReplicaExchange, "all", failing)

@@ -121,7 +121,11 @@ class Rendezvous:
                     )
                     break
                 self._cond.wait(remaining)
-            self._raise_if_aborted()
+            # Released only if the exchange did not complete: one that completed before an
+            # abort returns its values whenever this thread wakes up, so a replica's work up
+            # to its next sync point (its owner update under ZeRO) does not depend on timing.
+            if self._generation == generation:
+                self._raise_if_aborted()
             return self._last_values
 
     def finish(self, replica_id: int) -> None:
