@@ -14,6 +14,7 @@ import torch
 __all__ = [
     "absolute_error",
     "align_ranks",
+    "aligned_pair",
     "at_least",
     "broadcast_weight",
     "mean_last",
@@ -63,11 +64,9 @@ def align_ranks(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return a, b
 
 
-def same_shape_pair(
-    name: str, y_true: Any, y_pred: Any, dtype: torch.dtype = torch.float32
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """y_true and y_pred of one shape [batch, ...] (a trailing dim of 1 aligned as Keras does), as
-    floats of at least ``dtype``."""
+def aligned_pair(name: str, y_true: Any, y_pred: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """y_true and y_pred of one shape [batch, ...] (a trailing dim of 1 aligned as Keras does),
+    in their own dtypes; else a ValueError naming ``name`` and both shapes."""
     pred = to_tensor(y_pred, "y_pred")
     true = to_tensor(y_true, "y_true", pred.device)
     true_aligned, pred_aligned = align_ranks(true, pred)
@@ -76,6 +75,14 @@ def same_shape_pair(
             f"{name}: y_true has shape {shape_of(true)} and y_pred {shape_of(pred)}; expected both "
             "of one shape [batch, ...] (a trailing dim of 1 on either side is aligned)"
         )
+    return true_aligned, pred_aligned
+
+
+def same_shape_pair(
+    name: str, y_true: Any, y_pred: Any, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``aligned_pair`` as floats of at least ``dtype``."""
+    true_aligned, pred_aligned = aligned_pair(name, y_true, y_pred)
     pred_aligned = at_least(pred_aligned, dtype)
     return true_aligned.to(pred_aligned.dtype), pred_aligned
 

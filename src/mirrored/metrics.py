@@ -22,7 +22,7 @@ from mirrored.loss_classes import function_name
 from mirrored.loss_functions import name_key
 from mirrored.loss_shapes import (
     absolute_error,
-    align_ranks,
+    aligned_pair,
     broadcast_weight,
     same_shape_pair,
     shape_of,
@@ -215,15 +215,7 @@ def categorical_accuracy(y_true: Any, y_pred: Any) -> torch.Tensor:
 def binary_accuracy(y_true: Any, y_pred: Any, threshold: float = 0.5) -> torch.Tensor:
     """Keras's function: 1.0 where (y_pred > threshold) equals y_true, elementwise over one shape
     (a trailing dim of 1 aligned as Keras does)."""
-    pred = to_tensor(y_pred, "y_pred")
-    true = to_tensor(y_true, "y_true", pred.device)
-    true_aligned, pred_aligned = align_ranks(true, pred)
-    if pred_aligned.dim() == 0 or true_aligned.shape != pred_aligned.shape:
-        raise ValueError(
-            f"binary_accuracy: y_true has shape {shape_of(true)} and y_pred {shape_of(pred)}; "
-            "expected both of one shape [batch, ...] (a trailing dim of 1 on either side is "
-            "aligned)"
-        )
+    true_aligned, pred_aligned = aligned_pair("binary_accuracy", y_true, y_pred)
     matches = (pred_aligned > threshold).to(true_aligned.dtype) == true_aligned
     return _squeeze_trailing_one(matches.to(torch.float32))
 
