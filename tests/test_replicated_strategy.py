@@ -3,12 +3,24 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 import mirrored
+from mirrored.default_strategy import default_strategy
+from mirrored.mirror_features import NO_FEATURES, MirrorFeatures
 from mirrored.replicated_strategy import ReplicatedStrategy
+from mirrored.strategy import Strategy
 
 FAMILY_ATTRIBUTES = ["gradient_accumulation_steps", "local_sgd", "zero_stage"]
-FAMILY_METHODS = ["_workers_layout"]
+# The mirrored optimizer's features (mirrored.mirror_features), which the family hands over.
+FEATURE_METHODS = [
+    "accumulation_window",
+    "holding_gradients",
+    "local_steps",
+    "zero_redundancy",
+    "gradient_reducer",
+]
+FAMILY_METHODS = ["_workers_layout", *FEATURE_METHODS]
 
 
 def test_the_mirrored_strategies_are_the_replicated_family():
@@ -41,13 +53,28 @@ def test_the_parameter_server_strategy_carries_none_of_the_family_features(name)
     assert not hasattr(mirrored.ParameterServerStrategy, name)
 
 
-def test_a_pipeline_optimizer_runs_without_the_family_features():
-    """PipelinedOptimizer is a mirrored optimizer: the contract answers its questions with
-    'none' (no window, no local steps, no sharding, no reducer)."""
-    import torch
+@pytest.mark.parametrize("name", FEATURE_METHODS)
+def test_the_base_of_the_other_strategies_carries_none_of_the_features(name):
+    assert not hasattr(Strategy, name)
+    assert not hasattr(default_strategy(), name)
 
+
+def test_the_family_hands_its_features_to_what_it_mirrors():
+    with mirrored.MirroredStrategy(["cpu:0", "cpu:1"], gradient_accumulation_steps=2) as strategy:
+        net = torch.nn.Linear(4, 1)
+        module, optimizer = strategy.mirror(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        assert isinstance(strategy, MirrorFeatures)
+        assert module._features is strategy
+        assert optimizer.accumulation_steps == 2
+
+
+def test_a_pipeline_optimizer_runs_without_the_family_features():
+    """PipelinedOptimizer is a mirrored optimizer: the features it is handed answer with 'none'
+    (no window, no local steps, no sharding, no reducer)."""
     with mirrored.PipelineStrategy(["cpu:0", "cpu:1"], num_microbatches=2) as strategy:
         net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
-        _, optimizer = strategy.mirror(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        module, optimizer = strategy.mirror(net, torch.optim.SGD(net.parameters(), lr=0.1))
         assert optimizer.zero_stage == 0
-        assert not strategy.holding_gradients(0)
+        assert optimizer.accumulation_steps == 1
+        assert module._features is NO_FEATURES
+        assert not NO_FEATURES.holding_gradients(0)

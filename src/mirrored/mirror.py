@@ -24,6 +24,7 @@ from torch import nn
 
 from mirrored.batch_norm import convert_sync_batch_norm, running_stat_buffers
 from mirrored.mirror_checks import check_mirrorable, check_optimizer_params
+from mirrored.mirror_features import NO_FEATURES, MirrorFeatures
 from mirrored.mirrored_module import MIRRORED_BY, MirroredModule, tensors_of
 from mirrored.mirrored_optimizer import MirroredOptimizer
 from mirrored.optimizer_routes import holds_any
@@ -62,8 +63,10 @@ def mirror_module(
     optimizer: torch.optim.Optimizer | None,
     *,
     sync_batch_norm: bool,
+    features: MirrorFeatures = NO_FEATURES,
 ) -> Any:
-    """Build the replicas of ``module`` (and ``optimizer``) on ``strategy``'s devices."""
+    """Build the replicas of ``module`` (and ``optimizer``) on ``strategy``'s devices; the
+    optimizer's updates have ``features`` (accumulation, local SGD, ZeRO...)."""
     check_mirrorable(module, optimizer)
     params = list(module.parameters())
     if optimizer is not None:
@@ -73,7 +76,7 @@ def mirror_module(
     devices = strategy.torch_devices
     first = module.to(devices[0])
     replicas = [first] + [copy.deepcopy(first).to(d) for d in devices[1:]]
-    mirrored = MirroredModule(strategy, replicas)
+    mirrored = MirroredModule(strategy, replicas, features)
     strategy.track_replicated(mirrored)
     MIRRORED_BY.register(mirrored)
     if optimizer is None:
@@ -84,7 +87,7 @@ def mirror_module(
         for rp in replica_params[1:]
     ]
     running = [running_stat_buffers(r) for r in replicas]
-    mirrored_optimizer = MirroredOptimizer(strategy, optimizers, replica_params, running)
+    mirrored_optimizer = MirroredOptimizer(strategy, optimizers, replica_params, running, features)
     strategy.track_replicated(mirrored_optimizer)
     mirrored._optimizers.add(mirrored_optimizer)
     return mirrored, mirrored_optimizer

@@ -18,6 +18,7 @@ from torch import nn
 
 from mirrored.buffer_sync import BufferSync
 from mirrored.context import ReplicaContext, current_replica_context
+from mirrored.mirror_features import NO_FEATURES, MirrorFeatures
 from mirrored.strategy import SyncsBuffers
 
 if TYPE_CHECKING:
@@ -57,7 +58,14 @@ class ReplicaHandles:
 
 
 # What a MirroredModule sets on itself (a lookup of these must not reach a replica).
-_OWN_ATTRIBUTES = {"_strategy", "replicas", "_optimizers", "released", "_buffer_sync"}
+_OWN_ATTRIBUTES = {
+    "_strategy",
+    "replicas",
+    "_features",
+    "_optimizers",
+    "released",
+    "_buffer_sync",
+}
 # nn.Module methods that would move or retype one replica only.
 _FORBIDDEN = {"to", "cuda", "cpu", "xpu", "half", "float", "double", "bfloat16", "type", "to_empty"}
 # nn.Module methods that must reach every replica (flags, hooks). Structural changes
@@ -83,9 +91,15 @@ class MirroredModule(SyncsBuffers):
     each run (:mod:`mirrored.buffer_sync`).
     """
 
-    def __init__(self, strategy: Strategy, replicas: Sequence[nn.Module]) -> None:
+    def __init__(
+        self,
+        strategy: Strategy,
+        replicas: Sequence[nn.Module],
+        features: MirrorFeatures = NO_FEATURES,
+    ) -> None:
         object.__setattr__(self, "_strategy", strategy)
         object.__setattr__(self, "replicas", tuple(replicas))
+        object.__setattr__(self, "_features", features)  # its optimizers' (accumulation)
         object.__setattr__(self, "_optimizers", weakref.WeakSet())
         object.__setattr__(self, "released", False)
         object.__setattr__(self, "_buffer_sync", BufferSync(replicas))
@@ -228,7 +242,7 @@ class MirroredModule(SyncsBuffers):
         replica = replica_context_of(self._strategy)
         ids = range(len(self.replicas)) if replica is None else [replica.local_replica_id]
         for replica_id in ids:
-            if not self._strategy.holding_gradients(replica_id):
+            if not self._features.holding_gradients(replica_id):
                 self.replicas[replica_id].zero_grad(set_to_none=set_to_none)
 
 

@@ -11,8 +11,9 @@ updates every replica, so that all end the step with the same parameters. Two wa
   cross-device op (:mod:`mirrored.cross_device_ops`), and every replica applies the same update
   with its own optimizer.
 
-The strategy's options change which steps update and how: gradient accumulation, local SGD,
-ZeRO sharding, and gradients reduced during backward across processes.
+The features the strategy hands over (:mod:`mirrored.mirror_features`) change which steps update
+and how: gradient accumulation, local SGD, ZeRO sharding, and gradients reduced during backward
+across processes.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from mirrored.bucketing import PackedTensors
 from mirrored.context import ReplicaContext
 from mirrored.cross_device_ops import HierarchicalCopyAllReduce
 from mirrored.gradient_reducer import OverlappedGradientReducer
+from mirrored.mirror_features import NO_FEATURES, MirrorFeatures
 from mirrored.mirrored_module import replica_context_of
 from mirrored.optimizer_routes import holds_any, route_torch_calls, stop_routing
 from mirrored.param_groups import snapshot, take_hyperparameters
@@ -69,6 +71,7 @@ class MirroredOptimizer(ReplicaOptimizers):
         optimizers: Sequence[torch.optim.Optimizer],
         params: Sequence[Sequence[nn.Parameter]],
         running_stats: Sequence[Sequence[torch.Tensor]],
+        features: MirrorFeatures = NO_FEATURES,
     ) -> None:
         super().__init__(optimizers)
         self._strategy = strategy
@@ -89,13 +92,13 @@ class MirroredOptimizer(ReplicaOptimizers):
         shared_memory = len({p[0].device for p in self._params if p}) == 1
         self._sharded: ShardedUpdate | None = None
         # With gradient accumulation, most steps only keep the gradients (accumulation.py).
-        self._window = strategy.accumulation_window()
+        self._window = features.accumulation_window()
         # With local SGD, most updates are each replica's own (local_sgd.py).
-        self._local = strategy.local_steps()
+        self._local = features.local_steps()
         # With zero_stage, each parameter's owner alone updates it (zero_redundancy.py).
-        self._zero = strategy.zero_redundancy(optimizers, params)
+        self._zero = features.zero_redundancy(optimizers, params)
         # Across processes, gradients are reduced while backward runs (gradient_reducer.py).
-        self._reducer = strategy.gradient_reducer(params, self._window, self._local)
+        self._reducer = features.gradient_reducer(params, self._window, self._local)
         if (
             self._reducer is None
             and self._zero is None

@@ -2,7 +2,8 @@
 
 ``MirroredStrategy`` and ``MultiWorkerMirroredStrategy`` mirror a module and its optimizer onto
 each replica (:mod:`mirrored.mirror`) and all-reduce the gradients. Their update features live
-here, not on the ``Strategy`` contract, since only a mirrored optimizer of this family uses them:
+here, not on the ``Strategy`` contract, since only a mirrored optimizer of this family uses them
+(the family is the ``MirrorFeatures`` its ``mirror`` hands over):
 gradient accumulation (:mod:`mirrored.accumulation`), local SGD (:mod:`mirrored.local_sgd`) and
 sharded optimizer state (:mod:`mirrored.zero_redundancy`).
 """
@@ -21,6 +22,7 @@ from mirrored.config import LogicalDevice
 from mirrored.cross_device_ops import CrossDeviceOps
 from mirrored.local_sgd import LocalSGD, LocalSteps
 from mirrored.loss_scaling import check_loss_scaling
+from mirrored.mirror_features import MirrorFeatures
 from mirrored.strategy import Strategy
 from mirrored.zero_redundancy import ZeroRedundancy, check_zero_stage
 
@@ -33,7 +35,7 @@ __all__ = ["ReplicatedStrategy", "observe_backward"]
 OptimizerT = TypeVar("OptimizerT", bound=torch.optim.Optimizer)
 
 
-class ReplicatedStrategy(Strategy):
+class ReplicatedStrategy(Strategy, MirrorFeatures):
     """Base of the strategies that mirror a whole model onto every replica.
 
     Args (keyword-only, after the ``Strategy``'s):
@@ -101,7 +103,9 @@ class ReplicatedStrategy(Strategy):
         replica. See :mod:`mirrored.mirror`."""
         from mirrored.mirror import mirror_module
 
-        return mirror_module(self, module, optimizer, sync_batch_norm=sync_batch_norm)
+        return mirror_module(
+            self, module, optimizer, sync_batch_norm=sync_batch_norm, features=self
+        )
 
     # -- the mirrored optimizer's features --------------------------------------------------------
     def accumulation_window(self) -> AccumulationWindow | None:

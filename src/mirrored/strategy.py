@@ -16,7 +16,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -38,12 +38,6 @@ from mirrored.replica_collectives import all_gather_local, all_reduce_in_buckets
 from mirrored.replica_failures import add_note, first_failure
 from mirrored.replica_workers import Outcome
 from mirrored.values import PerReplica, ReduceOp, flatten, map_structure, regroup, select_replica
-
-if TYPE_CHECKING:
-    from mirrored.accumulation import AccumulationWindow
-    from mirrored.gradient_reducer import OverlappedGradientReducer
-    from mirrored.local_sgd import LocalSteps
-    from mirrored.zero_redundancy import ZeroRedundancy
 
 __all__ = ["Strategy", "SyncsBuffers", "add_note"]
 
@@ -435,37 +429,6 @@ class Strategy(abc.ABC):
     ) -> Any:
         """Place ``module`` (and ``optimizer``) on this strategy's replicas; returns proxies
         that resolve to the current replica inside ``run``."""
-
-    # What a mirrored optimizer (mirror.py, PipelinedOptimizer) asks as it is made: nothing
-    # here; ReplicatedStrategy answers with its accumulation, local SGD and ZeRO.
-    def accumulation_window(self) -> AccumulationWindow | None:
-        """A new mirrored optimizer's window of micro-steps (None: it updates at every step)."""
-        return None
-
-    def holding_gradients(self, local_replica_id: int) -> bool:
-        """Whether a mirrored optimizer is inside an accumulation window on this replica."""
-        return False
-
-    def local_steps(self) -> LocalSteps | None:
-        """A new mirrored optimizer's local SGD schedule (None: every update is synchronous)."""
-        return None
-
-    def zero_redundancy(
-        self,
-        optimizers: Sequence[torch.optim.Optimizer],
-        params: Sequence[Sequence[torch.nn.Parameter]],
-    ) -> ZeroRedundancy | None:
-        """A new mirrored optimizer's sharding of its state (None: every replica keeps all)."""
-        return None
-
-    def gradient_reducer(
-        self,
-        params: Sequence[Sequence[torch.nn.Parameter]],
-        window: AccumulationWindow | None,
-        local: LocalSteps | None,
-    ) -> OverlappedGradientReducer | None:
-        """What reduces a mirrored optimizer's gradients in backward (None: its ``step()``)."""
-        return None
 
     # -- lifetime ---------------------------------------------------------------------------------
     @property
