@@ -9,7 +9,8 @@ import mirrored
 from mirrored.default_strategy import default_strategy
 from mirrored.mirror_features import NO_FEATURES, MirrorFeatures
 from mirrored.replicated_strategy import ReplicatedStrategy
-from mirrored.strategy import Strategy
+from mirrored.strategy import InProcessStrategy
+from mirrored.strategy_contract import Strategy
 
 FAMILY_ATTRIBUTES = ["gradient_accumulation_steps", "local_sgd", "zero_stage"]
 # The mirrored optimizer's features (mirrored.mirror_features), which the family hands over.
@@ -56,6 +57,7 @@ def test_the_parameter_server_strategy_carries_none_of_the_family_features(name)
 @pytest.mark.parametrize("name", FEATURE_METHODS)
 def test_the_base_of_the_other_strategies_carries_none_of_the_features(name):
     assert not hasattr(Strategy, name)
+    assert not hasattr(InProcessStrategy, name)
     assert not hasattr(default_strategy(), name)
 
 

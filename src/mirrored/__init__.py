@@ -54,7 +54,7 @@ from mirrored.pipeline import PipelinedModule, PipelinedOptimizer, PipelineStrat
 from mirrored.pipeline_split import balance_by_time
 from mirrored.powersgd import PowerSGD
 from mirrored.rendezvous import ReplicaAbortedError, SyncMismatchError, SyncTimeoutError
-from mirrored.strategy import Strategy
+from mirrored.strategy_contract import Strategy
 from mirrored.training import Model
 from mirrored.values import PerReplica, ReduceOp, VariableAggregation
 

@@ -20,7 +20,7 @@ from mirrored.context import ReplicaContext, current_replica_context
 from mirrored.values import ReduceOp
 
 if TYPE_CHECKING:
-    from mirrored.strategy import Strategy
+    from mirrored.strategy import InProcessStrategy
 
 __all__ = ["MirroredSyncBatchNorm", "convert_sync_batch_norm", "running_stat_buffers"]
 
@@ -120,7 +120,7 @@ class MirroredSyncBatchNorm(_BatchNorm):
         return result
 
 
-def convert_sync_batch_norm(module: nn.Module, strategy: Strategy) -> nn.Module:
+def convert_sync_batch_norm(module: nn.Module, strategy: InProcessStrategy) -> nn.Module:
     """Replace every BatchNorm layer of ``module`` by a MirroredSyncBatchNorm sharing its
     parameters and buffers (the root may be replaced, so use the return value)."""
     physical = [d.physical for d in strategy.devices]

@@ -20,7 +20,8 @@ from mirrored.values import ReduceOp, flatten, map_structure, regroup, select_re
 
 if TYPE_CHECKING:
     from mirrored.rendezvous import ReplicaExchange
-    from mirrored.strategy import Strategy
+    from mirrored.strategy import InProcessStrategy
+    from mirrored.strategy_contract import Strategy
 
 __all__ = [
     "ReplicaContext",
@@ -46,7 +47,7 @@ class ReplicaContext:
 
     def __init__(
         self,
-        strategy: Strategy,
+        strategy: InProcessStrategy,
         replica_id: int,
         exchange: ReplicaExchange,
         global_batch_size: int | None = None,

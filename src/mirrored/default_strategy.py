@@ -17,12 +17,12 @@ from mirrored.config import list_logical_devices
 from mirrored.cross_device_ops import HierarchicalCopyAllReduce
 from mirrored.rendezvous import Rendezvous, ReplicaExchange
 from mirrored.replica_workers import Outcome
-from mirrored.strategy import Strategy
+from mirrored.strategy import InProcessStrategy
 
 __all__ = ["default_strategy"]
 
 
-class _DefaultStrategy(Strategy):
+class _DefaultStrategy(InProcessStrategy):
     """No distribution: one replica, run on the caller's thread, tensors where the user put them."""
 
     def __init__(self) -> None:

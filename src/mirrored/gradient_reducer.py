@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from mirrored.accumulation import AccumulationWindow
     from mirrored.local_sgd import LocalSteps
     from mirrored.powersgd import PowerSGD
-    from mirrored.strategy import Strategy
+    from mirrored.strategy import InProcessStrategy
     from mirrored.wire_compression import PendingSum
     from mirrored.worker_group import WorkerGroup
 
@@ -77,7 +77,7 @@ class OverlappedGradientReducer:
 
     def __init__(
         self,
-        strategy: Strategy,
+        strategy: InProcessStrategy,
         params: Sequence[Sequence[nn.Parameter]],
         group: WorkerGroup,
         window: AccumulationWindow | None,

@@ -31,7 +31,7 @@ from mirrored.optimizer_routes import holds_any
 from mirrored.sharded_update import load_own_copy
 
 if TYPE_CHECKING:
-    from mirrored.strategy import Strategy
+    from mirrored.strategy import InProcessStrategy
 
 __all__ = [
     "MirroredModule",
@@ -58,7 +58,7 @@ def replicate_optimizer(
 
 
 def mirror_module(
-    strategy: Strategy,
+    strategy: InProcessStrategy,
     module: nn.Module,
     optimizer: torch.optim.Optimizer | None,
     *,

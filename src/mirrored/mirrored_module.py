@@ -22,12 +22,12 @@ from mirrored.mirror_features import NO_FEATURES, MirrorFeatures
 from mirrored.strategy import SyncsBuffers
 
 if TYPE_CHECKING:
-    from mirrored.strategy import Strategy
+    from mirrored.strategy import InProcessStrategy
 
 __all__ = ["MIRRORED_BY", "MirroredModule", "ReplicaHandles", "replica_context_of", "tensors_of"]
 
 
-def replica_context_of(strategy: Strategy) -> ReplicaContext | None:
+def replica_context_of(strategy: InProcessStrategy) -> ReplicaContext | None:
     """The current replica's context if it is one of ``strategy``'s replicas, else None."""
     replica = current_replica_context()
     return replica if replica is not None and replica.strategy is strategy else None
@@ -93,7 +93,7 @@ class MirroredModule(SyncsBuffers):
 
     def __init__(
         self,
-        strategy: Strategy,
+        strategy: InProcessStrategy,
         replicas: Sequence[nn.Module],
         features: MirrorFeatures = NO_FEATURES,
     ) -> None:

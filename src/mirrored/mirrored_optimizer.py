@@ -45,7 +45,7 @@ from mirrored.sharded_update import (
 from mirrored.values import ReduceOp
 
 if TYPE_CHECKING:
-    from mirrored.strategy import Strategy
+    from mirrored.strategy import InProcessStrategy
 
 __all__ = ["MirroredOptimizer"]
 
@@ -67,7 +67,7 @@ class MirroredOptimizer(ReplicaOptimizers):
 
     def __init__(
         self,
-        strategy: Strategy,
+        strategy: InProcessStrategy,
         optimizers: Sequence[torch.optim.Optimizer],
         params: Sequence[Sequence[nn.Parameter]],
         running_stats: Sequence[Sequence[torch.Tensor]],

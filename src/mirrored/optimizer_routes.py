@@ -22,7 +22,7 @@ from mirrored import torch_compat
 from mirrored.context import current_replica_context
 
 if TYPE_CHECKING:
-    from mirrored.strategy import Strategy
+    from mirrored.strategy import InProcessStrategy
 
 __all__ = ["holds_any", "route_torch_calls", "stop_routing"]
 
@@ -41,7 +41,7 @@ class RoutedOptimizer(Protocol):
 # Each strategy's live mirrored optimizers (not released), by creation: the order every replica
 # visits them in.
 _LIVE_OPTIMIZERS: weakref.WeakKeyDictionary[
-    Strategy, weakref.WeakValueDictionary[int, RoutedOptimizer]
+    InProcessStrategy, weakref.WeakValueDictionary[int, RoutedOptimizer]
 ] = weakref.WeakKeyDictionary()
 _CREATED = itertools.count()
 # Mirrored optimizers and the original optimizers they were built from: their schedulers step
@@ -50,7 +50,7 @@ _STEPPED_BY_FIRST_REPLICA: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def route_torch_calls(
-    strategy: Strategy, optimizer: RoutedOptimizer, original: torch.optim.Optimizer
+    strategy: InProcessStrategy, optimizer: RoutedOptimizer, original: torch.optim.Optimizer
 ) -> int:
     """Route torch's clipping, schedulers and scalers (once a process) and register
     ``optimizer`` (a mirrored optimizer of ``strategy`` built from ``original``) with the
@@ -66,7 +66,7 @@ def route_torch_calls(
     return created
 
 
-def stop_routing(strategy: Strategy, created: int) -> None:
+def stop_routing(strategy: InProcessStrategy, created: int) -> None:
     """The optimizer ``created`` (its module was released) takes no more part in clipping."""
     live = _LIVE_OPTIMIZERS.get(strategy)
     if live is not None:

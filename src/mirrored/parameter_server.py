@@ -37,13 +37,14 @@ import torch
 import torch.distributed.rpc as rpc
 from torch import nn
 
-from mirrored import context, parameter_server_task, parameter_server_worker, shard_store
+from mirrored import parameter_server_task, parameter_server_worker, shard_store
 from mirrored.cluster_resolver import ClusterResolver, resolve_cluster
 from mirrored.parameter_server_checkpoint import MirroredModel
 from mirrored.parameter_server_handles import ParameterServerModule, ParameterServerOptimizer
 from mirrored.parameter_server_worker import shard_rows
 from mirrored.partitioners import Partitioner, ShardSpec, plan_shards
 from mirrored.rpc_cluster import Admissions, Member, RpcCluster, forget_member, start_rpc, stop_rpc
+from mirrored.strategy_contract import Strategy
 
 __all__ = [
     "ParameterServerModule",
@@ -75,7 +76,7 @@ class WorkerListener(Protocol):
     def close(self) -> None: ...
 
 
-class ParameterServerStrategy:
+class ParameterServerStrategy(Strategy):
     """Asynchronous training with parameter servers (TensorFlow's ``ParameterServerStrategy``).
 
     Args:
@@ -140,16 +141,15 @@ class ParameterServerStrategy:
         _open_strategies.add(self)
 
     #: ``mirrored.Model`` trains through a ``ClusterCoordinator`` on this strategy.
-    runs_on_parameter_servers = True
+    should_use_with_coordinator = True
     #: Gradients are pushed, not summed where the train step could unscale them.
     gradients_after_backward = False
 
-    @contextlib.contextmanager
-    def scope(self) -> Iterator[ParameterServerStrategy]:
-        """Make this strategy current (``mirrored.get_strategy()``), e.g. to create a
-        ``mirrored.Model`` on it."""
-        with context.strategy_scope(self):  # type: ignore[arg-type]
-            yield self
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """1: a scheduled step runs on one worker, on one replica, and its batch is the step's
+        whole batch (TensorFlow's ``ParameterServerStrategy`` counts one worker's replicas too)."""
+        return 1
 
     def save_on_chief(self, write: Callable[[], object]) -> None:
         """Run a checkpoint's ``write``: only the chief runs the training program here."""
@@ -160,6 +160,10 @@ class ParameterServerStrategy:
         """Whether this process writes checkpoints, logs and progress bars: always, since only
         the chief runs the training program."""
         return True
+
+    def check_same_on_workers(self, value: Any, what: str) -> None:
+        """Nothing to check: only the chief runs the training program and reads files; the
+        workers pull the parameters from the ps tasks."""
 
     @property
     def num_workers(self) -> int:
@@ -179,13 +183,22 @@ class ParameterServerStrategy:
     # -- models ---------------------------------------------------------------------------------
     @overload
     def mirror(
-        self, module: nn.Module, *, sync_batch_norm: bool = False
+        self, module: nn.Module, optimizer: None = None, *, sync_batch_norm: bool = False
     ) -> ParameterServerModule: ...
 
     @overload
     def mirror(
         self, module: nn.Module, optimizer: torch.optim.Optimizer, *, sync_batch_norm: bool = False
     ) -> tuple[ParameterServerModule, ParameterServerOptimizer]: ...
+
+    @overload
+    def mirror(
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        sync_batch_norm: bool = False,
+    ) -> ParameterServerModule | tuple[ParameterServerModule, ParameterServerOptimizer]: ...
 
     def mirror(
         self,
@@ -343,6 +356,11 @@ class ParameterServerStrategy:
             self._workers[member.task] = self._admitted.pop(member.task)
 
     # -- lifetime ---------------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        """Whether the job has ended (``close()``, or the strategy's ``with`` block)."""
+        return self._closed
+
     def close(self) -> None:
         """End the job: every worker and ps task leaves its process, then this one leaves the
         RPC group; idempotent. A program that ends without it closes the strategy as it exits."""
@@ -370,9 +388,6 @@ class ParameterServerStrategy:
             with contextlib.suppress(RuntimeError):
                 future.wait()
         stop_rpc()
-
-    def __enter__(self) -> ParameterServerStrategy:
-        return self
 
     def __exit__(self, *exc_info: object) -> None:
         error = exc_info[1]

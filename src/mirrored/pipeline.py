@@ -61,13 +61,13 @@ from mirrored.random_routing import ReplicaRandomness
 from mirrored.rendezvous import Rendezvous
 from mirrored.replica_workers import Outcome, ReplicaWorkers
 from mirrored.step_seeds import StepSeed
-from mirrored.strategy import Strategy
+from mirrored.strategy import InProcessStrategy
 from mirrored.values import PerReplica, flatten, map_structure
 
 __all__ = ["PipelineStrategy", "PipelinedModule", "PipelinedOptimizer"]
 
 
-class PipelineStrategy(Strategy):
+class PipelineStrategy(InProcessStrategy):
     """Pipeline (model) parallelism, optionally data-parallel over several pipelines.
 
     Args:
@@ -435,7 +435,7 @@ class PipelinedOptimizer(MirroredOptimizer):
             self.optimizers[index].zero_grad(set_to_none=set_to_none)
 
 
-def _pipelines_to_zero(strategy: Strategy) -> list[int]:
+def _pipelines_to_zero(strategy: InProcessStrategy) -> list[int]:
     """Which pipelines' gradients a ``zero_grad()`` call clears: inside a run, the caller's
     pipeline, by its first micro-batch only (the micro-batches share the parameters, and the
     step's sums reach ``param.grad`` only at ``optimizer.step()``, so one clearing is all the

@@ -23,7 +23,7 @@ from mirrored.cross_device_ops import CrossDeviceOps
 from mirrored.local_sgd import LocalSGD, LocalSteps
 from mirrored.loss_scaling import check_loss_scaling
 from mirrored.mirror_features import MirrorFeatures
-from mirrored.strategy import Strategy
+from mirrored.strategy import InProcessStrategy
 from mirrored.zero_redundancy import ZeroRedundancy, check_zero_stage
 
 if TYPE_CHECKING:
@@ -35,10 +35,10 @@ __all__ = ["ReplicatedStrategy", "observe_backward"]
 OptimizerT = TypeVar("OptimizerT", bound=torch.optim.Optimizer)
 
 
-class ReplicatedStrategy(Strategy, MirrorFeatures):
+class ReplicatedStrategy(InProcessStrategy, MirrorFeatures):
     """Base of the strategies that mirror a whole model onto every replica.
 
-    Args (keyword-only, after the ``Strategy``'s):
+    Args (keyword-only, after the ``InProcessStrategy``'s):
         gradient_accumulation_steps: how many ``optimizer.step()`` calls of a mirrored
             optimizer make one update.
         local_sgd: periodic parameter averaging instead of a gradient all-reduce per update.

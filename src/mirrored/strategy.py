@@ -1,8 +1,9 @@
-"""The Strategy contract: what every strategy does, written once.
+"""The in-process strategies' base: replicas run by this process, written once.
 
-A strategy owns replicas (one per device) and runs a step on all of them: ``run`` hands each
-replica its slice of the arguments, ``reduce`` / ``gather`` combine their results, and datasets
-are split into per-replica shards. ``Strategy`` is abstract: a subclass says how replica
+A strategy of this kind owns replicas (one per device) and runs a step on all of them: ``run``
+hands each replica its slice of the arguments, ``reduce`` / ``gather`` combine their results, and
+datasets are split into per-replica shards. ``InProcessStrategy`` implements the ``Strategy``
+contract (:mod:`mirrored.strategy_contract`) for them and is abstract: a subclass says how replica
 functions are executed (``_execute``), how a model is mirrored (``mirror``) and how it is closed.
 The features of the replicated strategies (gradient accumulation, local SGD, ZeRO) live on their
 family, :class:`mirrored.replicated_strategy.ReplicatedStrategy`.
@@ -37,9 +38,10 @@ from mirrored.rendezvous import Rendezvous, ReplicaExchange
 from mirrored.replica_collectives import all_gather_local, all_reduce_in_buckets
 from mirrored.replica_failures import add_note, first_failure
 from mirrored.replica_workers import Outcome
+from mirrored.strategy_contract import Strategy
 from mirrored.values import PerReplica, ReduceOp, flatten, map_structure, regroup, select_replica
 
-__all__ = ["Strategy", "SyncsBuffers", "add_note"]
+__all__ = ["InProcessStrategy", "SyncsBuffers", "add_note"]
 
 
 class Replicated(Protocol):
@@ -60,12 +62,8 @@ class SyncsBuffers(abc.ABC):
         """Collective: called on every replica as its part of a run ends."""
 
 
-class Strategy(abc.ABC):
-    """Base class of all strategies: the contract of ``mirrored``'s front-ends."""
-
-    # Whether ``param.grad`` holds a replica's gradient between ``loss.backward()`` and
-    # ``optimizer.step()`` (so that it can be unscaled or clipped there).
-    gradients_after_backward = True
+class InProcessStrategy(Strategy):
+    """Base of the strategies whose replicas this process runs (``run`` on replica threads)."""
 
     def __init__(
         self,
@@ -113,7 +111,7 @@ class Strategy(abc.ABC):
         worker raises if the chief's write failed; call it on every worker at the same point."""
         write()
 
-    def check_same_on_workers(self, value: Any, what: str) -> None:  # noqa: B027 (a no-op)
+    def check_same_on_workers(self, value: Any, what: str) -> None:
         """Raise ``ValueError`` unless every worker holds the same tensors in ``value`` (after a
         restore: workers that read different files would train apart). In one process, nothing
         to check; call it on every worker at the same point."""
@@ -131,12 +129,6 @@ class Strategy(abc.ABC):
     def __repr__(self) -> str:
         names = [d.short_name for d in self.devices]
         return f"{type(self).__name__}(devices={names}, cross_device_ops={self.cross_device_ops})"
-
-    @contextmanager
-    def scope(self) -> Iterator[Strategy]:
-        """Make this the current strategy (``mirrored.get_strategy()``) on this thread."""
-        with context.strategy_scope(self):
-            yield self
 
     # -- running replicas -------------------------------------------------------------------------
     def run(
@@ -394,7 +386,7 @@ class Strategy(abc.ABC):
         """How global batches are split when not evenly (None: evenly)."""
         return None
 
-    def _observe_run(self, rendezvous: Rendezvous, inputs: Any) -> None:  # noqa: B027 (a hook)
+    def _observe_run(self, rendezvous: Rendezvous, inputs: Any) -> None:
         """After a successful run on ``inputs`` (its positional and keyword arguments)."""
 
     def distribute_datasets_from_function(
@@ -417,34 +409,6 @@ class Strategy(abc.ABC):
             for i, device in enumerate(self._input_devices)
         ]
         return regroup(values) if len(values) > 1 else PerReplica(values)
-
-    # -- models -----------------------------------------------------------------------------------
-    @abc.abstractmethod
-    def mirror(
-        self,
-        module: torch.nn.Module,
-        optimizer: torch.optim.Optimizer | None = None,
-        *,
-        sync_batch_norm: bool = False,
-    ) -> Any:
-        """Place ``module`` (and ``optimizer``) on this strategy's replicas; returns proxies
-        that resolve to the current replica inside ``run``."""
-
-    # -- lifetime ---------------------------------------------------------------------------------
-    @property
-    @abc.abstractmethod
-    def closed(self) -> bool:
-        """Whether ``close()`` was called (the strategy cannot run any more)."""
-
-    @abc.abstractmethod
-    def close(self) -> None:
-        """Release threads and other resources; idempotent."""
-
-    def __enter__(self) -> Strategy:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
 
 # Noted on an error of the buffers' sync, which runs once fn has returned.

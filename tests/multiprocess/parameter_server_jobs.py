@@ -354,6 +354,7 @@ def coordinator_rules(out: Path) -> None:
     record: dict[str, Any] = {}
     with counter_job("async", timeout_seconds=10) as (coordinator, module, model, optimizer):
         strategy = coordinator.strategy
+        record["a Strategy, open"] = isinstance(strategy, mirrored.Strategy) and not strategy.closed
         record["one per strategy"] = ClusterCoordinator(strategy) is coordinator
         try:
             coordinator.schedule(lambda: 1)
@@ -401,6 +402,7 @@ def coordinator_rules(out: Path) -> None:
         except RuntimeError as error:
             record["all lost"] = str(error)
         record["waited"] = time.monotonic() - started
+    record["closed by its with"] = strategy.closed
     torch.save(record, out / "chief-first.pt")
 
 

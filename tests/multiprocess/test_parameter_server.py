@@ -129,6 +129,7 @@ def test_coordinator_rules_bad_functions_close_and_every_worker_lost(tmp_path: P
     workers = run_workers("coordinator_rules", tmp_path, 5, cluster="ps:2:2")
     assert _exits(workers) == [0, -9, -9, 0, 0], "\n".join(w.output for w in workers)
     record = torch.load(tmp_path / "chief-first.pt", weights_only=True)
+    assert record["a Strategy, open"] and record["closed by its with"]
     assert record["one per strategy"] and record["a new one after close"]
     assert "cannot be sent to a worker" in record["lambda"]
     assert "module-level function" in record["lambda"]

@@ -29,7 +29,6 @@ from mirrored import optimizers as optimizers_module
 from mirrored.callbacks.callback import Callback, CallbackList
 from mirrored.callbacks.history import History
 from mirrored.mirror import MirroredModule, check_optimizer_params
-from mirrored.parameter_server import ParameterServerStrategy
 from mirrored.training import arguments, evaluation, lazy_build, saved_state
 from mirrored.training.data_adapter import DataAdapter
 from mirrored.training.layers import Layer, find_layer, layer_table
@@ -43,8 +42,9 @@ __all__ = ["Model"]
 
 
 def training_loop_for(strategy: Any) -> TrainingLoop:
-    """The loop a model on ``strategy`` trains with."""
-    if isinstance(strategy, ParameterServerStrategy):
+    """The loop a model on ``strategy`` trains with: the contract says whether its steps are
+    scheduled through a coordinator (``Strategy.should_use_with_coordinator``)."""
+    if strategy.should_use_with_coordinator:
         return ParameterServerLoop(strategy)
     return ReplicatedLoop(strategy)
 
