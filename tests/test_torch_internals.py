@@ -122,3 +122,51 @@ def test_code_is_read_under_decorators_and_frames_above_the_caller():
     assert _torch_internals.code_of(wrapped) is function.__code__
     assert _torch_internals.code_of(None) is None
     assert function().f_code is function.__code__
+
+
+def test_the_agent_s_worker_polls_are_recognised():
+    assert _torch_internals._worker_polls_recognised()
+
+
+def test_a_look_runs_before_each_poll_of_the_agent_s_workers(monkeypatch):
+    seen = []
+    agent = types.SimpleNamespace(_pcontext=object(), _monitor_workers=lambda group: f"{group} run")
+    _torch_internals.before_each_worker_poll(agent, seen.append)
+    assert agent._monitor_workers("group") == "group run"
+    assert seen == [agent._pcontext]
+
+
+def test_an_agent_polled_otherwise_is_left_to_torch(monkeypatch):
+    poll = functools.partial(str)
+    agent = types.SimpleNamespace(_pcontext=object(), _monitor_workers=poll)
+    monkeypatch.setattr(_torch_internals, "_worker_polls_recognised", lambda: False)
+    _torch_internals.before_each_worker_poll(agent, pytest.fail)
+    assert agent._monitor_workers is poll
+
+
+def test_the_rpc_group_s_record_is_edited_under_its_membership_token():
+    store = torch.distributed.HashStore()
+    with _torch_internals.rpc_group_membership_lock(store, "forget_worker1_2"):
+        held = store.get("RpcGroupManagementToken").decode()
+    assert held == "Token_for_forget_worker1_2_leave"
+    assert store.get("RpcGroupManagementToken") == b""
+
+
+@pytest.mark.parametrize("lock", [None, lambda store, name: None], ids=["missing", "other form"])
+def test_an_unrecognised_rpc_group_lock_is_named(monkeypatch, lock):
+    from torch.distributed.rpc import _utils
+
+    monkeypatch.setattr(_utils, "_group_membership_management", lock)
+    with pytest.raises(ImportError, match=r"rpc\._utils\._group_membership_management.*record"):
+        _torch_internals.rpc_group_membership_lock(torch.distributed.HashStore(), "forget_x")
+
+
+def test_the_rpc_agent_s_store_is_reached_or_its_absence_named(monkeypatch):
+    from torch.distributed.rpc import api
+
+    store = torch.distributed.HashStore()
+    monkeypatch.setattr(api, "_get_current_rpc_agent", lambda: types.SimpleNamespace(store=store))
+    assert _torch_internals.rpc_agent_store() is store
+    monkeypatch.delattr(api, "_get_current_rpc_agent")
+    with pytest.raises(ImportError, match=r"rpc\.api\._get_current_rpc_agent.*RPC group's store"):
+        _torch_internals.rpc_agent_store()

@@ -33,6 +33,7 @@ __all__ = [
     "TESTED_TORCH",
     "amp_unscale_and_check_",
     "aten_takes_generator",
+    "before_each_worker_poll",
     "body_without_torch_function_check",
     "caller_frame",
     "code_of",
@@ -43,6 +44,8 @@ __all__ = [
     "outside_functorch",
     "replace_checkpoint_implementations",
     "replace_gradient_readers",
+    "rpc_agent_store",
+    "rpc_group_membership_lock",
     "safe_softmax",
     "unrecognised_checkpoint",
     "unrecognised_clipping",
@@ -351,3 +354,67 @@ def elastic_worker_processes(agent: Any) -> Any:
     ``_pcontext``. Fallback, on a torch whose agent is not recognised: None (the caller leaves
     the workers' exit statuses to torch)."""
     return getattr(agent, "_pcontext", None) if _elastic_agent_recognised() else None
+
+
+# -- the elastic agent's monitoring, the RPC group's record (mirrored.launch_agent, rpc_cluster) --
+
+
+@functools.cache
+def _worker_polls_recognised() -> bool:
+    """Whether torch's elastic agent polls its workers by calling
+    ``self._monitor_workers(worker_group)`` from its run loop (``_invoke_run``)."""
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    monitor = LocalElasticAgent.__dict__.get("_monitor_workers")
+    run_loop = code_of(SimpleElasticAgent.__dict__.get("_invoke_run"))
+    return (
+        _parameters(monitor) == ["self", "worker_group"]
+        and run_loop is not None
+        and "_monitor_workers" in run_loop.co_names
+    )
+
+
+def before_each_worker_poll(agent: Any, look: Callable[[Any], None]) -> None:
+    """Have the elastic ``agent`` (a ``LocalElasticAgent``) call ``look(processes)``, with its
+    workers' process context (:func:`elastic_worker_processes`), each time it polls its workers'
+    exit statuses: its private ``_monitor_workers`` is wrapped on the instance. Fallback, on a
+    torch whose agent is not recognised: nothing is wrapped (the statuses are left to torch)."""
+    if not (_elastic_agent_recognised() and _worker_polls_recognised()):
+        return
+    poll = agent._monitor_workers
+
+    def look_then_poll(worker_group: Any) -> Any:
+        look(elastic_worker_processes(agent))
+        return poll(worker_group)
+
+    agent._monitor_workers = look_then_poll
+
+
+def rpc_agent_store() -> Any:
+    """The store of this process's ``torch.distributed.rpc`` agent, where its dynamic group
+    keeps the record of its members (private ``rpc.api._get_current_rpc_agent``)."""
+    from torch.distributed.rpc import api
+
+    current_agent = _required(
+        api, "torch.distributed.rpc.api", "_get_current_rpc_agent", "find the RPC group's store"
+    )
+    return current_agent().store
+
+
+def rpc_group_membership_lock(store: Any, name: str) -> AbstractContextManager[None]:
+    """Hold ``torch.distributed.rpc``'s lock on its dynamic group's record in ``store`` (the
+    token its members take to join or leave; ``name``: who holds it), to edit that record
+    (private ``_utils._group_membership_management(store, name, is_join)``). Raises an
+    ``ImportError`` naming it on a torch without it, or with another signature."""
+    from torch.distributed.rpc import _utils
+
+    found = getattr(_utils, "_group_membership_management", None)
+    recognised = _parameters(found) == ["store", "name", "is_join"]
+    lock = _required(
+        _utils if recognised else None,
+        "torch.distributed.rpc._utils",
+        "_group_membership_management",
+        "edit the RPC group's record of its members (as a (store, name, is_join) lock)",
+    )
+    return lock(store, name, False)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import os
 import shutil
 import signal
@@ -21,15 +22,16 @@ import sys
 import tempfile
 import threading
 from collections.abc import Iterator
+from typing import Any
 
-from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec
+from torch.distributed.elastic.agent.server.api import WorkerSpec
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
 from torch.distributed.elastic.multiprocessing.api import SubprocessContext
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
 
-from mirrored._torch_internals import elastic_worker_processes
+from mirrored._torch_internals import before_each_worker_poll
 from mirrored.launch_plan import LaunchPlan
 from mirrored.launch_store import BACKEND, RUN_ID
 from mirrored.launch_worker import finished_marker
@@ -57,33 +59,24 @@ def restored_process_state() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-class _Agent(LocalElasticAgent):
-    """torch's agent, except that a worker which finished its program (its
-    ``mirrored.launch_worker`` marker is there) counts as succeeded whatever its exit status:
-    torch's teardown sometimes aborts a process after its program returned, and a finished job
-    must be neither restarted nor reported failed."""
-
-    def __init__(self, spec: WorkerSpec, logs_specs: DefaultLogsSpecs, folder: str) -> None:
-        super().__init__(spec, logs_specs)
-        self._folder = folder
-
-    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
-        workers = elastic_worker_processes(self)
-        if isinstance(workers, SubprocessContext):  # always: the entrypoint is a command
-            for local_rank, handler in workers.subprocess_handlers.items():
-                status = handler.proc.poll()
-                env = workers.envs[local_rank]
-                marker = finished_marker(
-                    self._folder, env["TORCHELASTIC_RESTART_COUNT"], env["RANK"]
-                )
-                if status and os.path.exists(marker):
-                    print(
-                        f"mirrored launch: rank {env['RANK']} finished its program, then its "
-                        f"process ended with {_describe(status)}; it counts as finished",
-                        file=sys.stderr,
-                    )
-                    handler.proc.returncode = 0  # what torch's poll of the process reads next
-        return super()._monitor_workers(worker_group)
+def _count_finished_programs(folder: str, workers: Any) -> None:
+    """Before torch's agent polls its ``workers`` (their process context): a worker whose
+    program finished (its ``mirrored.launch_worker`` marker is there) counts as succeeded whatever
+    its exit status. torch's teardown sometimes aborts a process after its program returned, and
+    a finished job must be neither restarted nor reported failed."""
+    if not isinstance(workers, SubprocessContext):  # always one: the entrypoint is a command
+        return
+    for local_rank, handler in workers.subprocess_handlers.items():
+        status = handler.proc.poll()
+        env = workers.envs[local_rank]
+        marker = finished_marker(folder, env["TORCHELASTIC_RESTART_COUNT"], env["RANK"])
+        if status and os.path.exists(marker):
+            print(
+                f"mirrored launch: rank {env['RANK']} finished its program, then its "
+                f"process ended with {_describe(status)}; it counts as finished",
+                file=sys.stderr,
+            )
+            handler.proc.returncode = 0  # what torch's poll of the process reads next
 
 
 def _describe(status: int) -> str:
@@ -160,7 +153,8 @@ def run_agent(plan: LaunchPlan, port: int, folder: str) -> None:
         max_restarts=plan.max_restarts,
         monitor_interval=plan.monitor_interval,
     )
-    agent = _Agent(spec, DefaultLogsSpecs(log_dir=os.path.join(folder, "logs")), folder)
+    agent = LocalElasticAgent(spec, DefaultLogsSpecs(log_dir=os.path.join(folder, "logs")))
+    before_each_worker_poll(agent, functools.partial(_count_finished_programs, folder))
     closing = True
     try:
         result = agent.run()

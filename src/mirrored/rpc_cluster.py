@@ -38,8 +38,8 @@ from urllib.parse import parse_qs, urlparse
 
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
-from torch.distributed.rpc._utils import _group_membership_management
 
+from mirrored._torch_internals import rpc_agent_store, rpc_group_membership_lock
 from mirrored.worker_group import host_store, sockets_on_loopback
 
 __all__ = [
@@ -275,9 +275,9 @@ def forget_member(member: Member) -> None:
     member to join does not try to greet it (and fail). ``torch.distributed.rpc`` has no public
     call for this: the record is its list ``names/_ALL_WORKER_INFOS`` of ``name-rank,`` entries
     and a ``names/<rank>`` key, edited under its group-management token (torch 2.13)."""
-    store = rpc.api._get_current_rpc_agent().store  # type: ignore[attr-defined]
+    store = rpc_agent_store()
     names = dist.PrefixStore("names", store)
-    with _group_membership_management(store, f"forget_{member.name}", False):
+    with rpc_group_membership_lock(store, f"forget_{member.name}"):
         entries = names.get("_ALL_WORKER_INFOS").decode().split(",")
         kept = [entry for entry in entries if entry and entry != f"{member.name}-{member.rank}"]
         names.set("_ALL_WORKER_INFOS", "".join(f"{entry}," for entry in kept))
