@@ -32,6 +32,9 @@ from mirrored.cross_device_ops import (
     NcclAllReduce,
     ReductionToOneDevice,
 )
+
+# Imported for its effect: it names the strategy in effect outside any scope.
+from mirrored.default_strategy import default_strategy as _default_strategy  # noqa: F401
 from mirrored.input import DistributedDataset, InputContext, InputOptions, ValueContext
 from mirrored.load_balancing import LoadBalancing
 from mirrored.local_sgd import LocalSGD

@@ -17,6 +17,7 @@ the forward passes every replica makes alike, is silent.
 
 from __future__ import annotations
 
+import abc
 import warnings
 import weakref
 from collections.abc import Mapping, Sequence
@@ -31,10 +32,22 @@ from mirrored.values import ReduceOp, VariableAggregation
 if TYPE_CHECKING:
     from mirrored.context import ReplicaContext
 
-__all__ = ["BufferAggregationWarning", "BufferSync", "set_buffer_aggregation"]
+__all__ = ["BufferAggregationWarning", "BufferSync", "SyncsBuffers", "set_buffer_aggregation"]
 
 # Set on the module that owns a buffer (so deep copies, the other replicas, carry it along).
 _AGGREGATIONS = "_mirrored_buffer_aggregations"
+
+
+class SyncsBuffers(abc.ABC):
+    """A replicated module whose buffers replicas may change: synced at the end of each run."""
+
+    @property
+    @abc.abstractmethod
+    def has_buffers(self) -> bool: ...
+
+    @abc.abstractmethod
+    def sync_buffers(self, replica: ReplicaContext) -> None:
+        """Collective: called on every replica as its part of a run ends."""
 
 
 class BufferAggregationWarning(UserWarning):

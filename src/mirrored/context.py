@@ -42,6 +42,33 @@ class _State(threading.local):
 _state = _State()
 
 
+class _Default:
+    """The strategy in effect outside any scope, and its one replica context.
+
+    The strategies layer names them at import (:func:`set_default_strategy`): the contexts sit
+    below the strategies and do not import them.
+    """
+
+    def __init__(self) -> None:
+        self.strategy: Callable[[], Strategy] = _no_default
+        self.replica_context: Callable[[], ReplicaContext] = _no_default
+
+
+def _no_default() -> Any:
+    raise RuntimeError("no default strategy: import mirrored, which sets it")
+
+
+_default = _Default()
+
+
+def set_default_strategy(
+    strategy: Callable[[], Strategy], replica_context: Callable[[], ReplicaContext]
+) -> None:
+    """Name what ``get_strategy()`` and ``get_replica_context()`` return outside any scope."""
+    _default.strategy = strategy
+    _default.replica_context = replica_context
+
+
 class ReplicaContext:
     """What a replica function knows about itself and how it talks to its peers."""
 
@@ -171,9 +198,7 @@ def get_strategy() -> Strategy:
         return _state.replica_context.strategy
     if _state.strategy_stack:
         return _state.strategy_stack[-1]
-    from mirrored.default_strategy import default_strategy
-
-    return default_strategy()
+    return _default.strategy()
 
 
 def has_strategy() -> bool:
@@ -197,6 +222,4 @@ def get_replica_context() -> ReplicaContext | None:
         return _state.replica_context
     if _state.strategy_stack:
         return None
-    from mirrored.default_strategy import default_strategy
-
-    return default_strategy().default_replica_context()
+    return _default.replica_context()

@@ -67,3 +67,6 @@ class _DefaultStrategy(InProcessStrategy):
 def default_strategy() -> _DefaultStrategy:
     """The one-replica strategy in effect outside any ``strategy.scope()``."""
     return _DefaultStrategy()
+
+
+context.set_default_strategy(default_strategy, lambda: default_strategy().default_replica_context())

@@ -16,10 +16,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from mirrored.buffer_sync import BufferSync
+from mirrored.buffer_sync import BufferSync, SyncsBuffers
 from mirrored.context import ReplicaContext, current_replica_context
 from mirrored.mirror_features import NO_FEATURES, MirrorFeatures
-from mirrored.strategy import SyncsBuffers
 
 if TYPE_CHECKING:
     from mirrored.strategy import InProcessStrategy

@@ -26,7 +26,7 @@ from mirrored.pipeline_run import Handoff, Key, OpRecord, PipelineRun, StageTime
 from mirrored.pipeline_schedule import Action, StageState, next_action
 from mirrored.random_routing import ReplicaRandomness
 from mirrored.rendezvous import caused_by_timeout
-from mirrored.strategy import add_note
+from mirrored.replica_failures import add_note
 from mirrored.values import flatten, map_structure
 
 __all__ = ["StageExecutor", "StageOwner"]

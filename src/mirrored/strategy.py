@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import torch
 
 from mirrored import context
+from mirrored.buffer_sync import SyncsBuffers
 from mirrored.config import LogicalDevice
 from mirrored.cross_device_ops import CrossDeviceOps
 from mirrored.input import (
@@ -41,25 +42,13 @@ from mirrored.replica_workers import Outcome
 from mirrored.strategy_contract import Strategy
 from mirrored.values import PerReplica, ReduceOp, flatten, map_structure, regroup, select_replica
 
-__all__ = ["InProcessStrategy", "SyncsBuffers", "add_note"]
+__all__ = ["InProcessStrategy", "add_note"]
 
 
 class Replicated(Protocol):
     """Something kept identical on every replica (a mirrored module or optimizer)."""
 
     def resync(self) -> None: ...
-
-
-class SyncsBuffers(abc.ABC):
-    """A replicated module whose buffers replicas may change: synced at the end of each run."""
-
-    @property
-    @abc.abstractmethod
-    def has_buffers(self) -> bool: ...
-
-    @abc.abstractmethod
-    def sync_buffers(self, replica: context.ReplicaContext) -> None:
-        """Collective: called on every replica as its part of a run ends."""
 
 
 class InProcessStrategy(Strategy):
