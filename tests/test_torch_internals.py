@@ -170,3 +170,17 @@ def test_the_rpc_agent_s_store_is_reached_or_its_absence_named(monkeypatch):
     monkeypatch.delattr(api, "_get_current_rpc_agent")
     with pytest.raises(ImportError, match=r"rpc\.api\._get_current_rpc_agent.*RPC group's store"):
         _torch_internals.rpc_agent_store()
+
+
+def test_the_default_store_is_the_process_group_s_and_a_missing_one_is_named(monkeypatch):
+    store = torch.distributed.HashStore()
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        keys = store.num_keys()
+        _torch_internals.default_store().set("probe", "1")
+        assert store.num_keys() == keys + 1  # written through to the group's own store
+    finally:
+        torch.distributed.destroy_process_group()
+    monkeypatch.delattr(torch.distributed.distributed_c10d, "_get_default_store")
+    with pytest.raises(ImportError, match=r"distributed_c10d\._get_default_store, which mirrored"):
+        _torch_internals.default_store()

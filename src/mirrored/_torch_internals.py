@@ -37,6 +37,7 @@ __all__ = [
     "body_without_torch_function_check",
     "caller_frame",
     "code_of",
+    "default_store",
     "disable_torch_function",
     "elastic_worker_processes",
     "foreach_mul_",
@@ -238,6 +239,24 @@ def safe_softmax(scores: torch.Tensor, dim: int) -> torch.Tensor:
     if _safe_softmax is None:
         return scores.softmax(dim)
     return _safe_softmax(scores, dim)
+
+
+# -- torch.distributed's process group (mirrored.worker_group) ----------------------------------
+
+
+def default_store() -> Any:
+    """``torch.distributed.distributed_c10d._get_default_store()``: the rendezvous store of the
+    default process group, which a program that set up ``torch.distributed`` itself made (the
+    workers publish their heartbeats on it). Raises an ``ImportError`` naming it where this
+    torch has none."""
+    from torch.distributed import distributed_c10d
+
+    return _required(
+        distributed_c10d,
+        "torch.distributed.distributed_c10d",
+        "_get_default_store",
+        "join the rendezvous store of a process group the program set up itself",
+    )()
 
 
 # -- torch.utils.checkpoint and torch.nn.utils.clip_grad (mirrored.torch_compat) ---------------
