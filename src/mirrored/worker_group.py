@@ -24,10 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import ipaddress
 import json
-import os
-import socket
 import threading
 import time
 import weakref
@@ -38,7 +35,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mirrored._torch_internals import default_store
 from mirrored.cluster_resolver import ClusterResolver
+from mirrored.cluster_store import (  # the last three: rpc_cluster's and launch's names
+    connect_store,
+    host_store,
+    loopback_interface,
+    sockets_on_loopback,
+)
 from mirrored.rendezvous import SyncMismatchError, SyncTimeoutError
 from mirrored.same_host_all_reduce import LocalReduceError, SameHostAllReduce
 from mirrored.wire_compression import SixteenBitSum
@@ -119,29 +123,13 @@ class WorkerGroup:
         self._position = (0, "connecting")
         self.broken: BaseException | None = None
         self._explainers: list[weakref.WeakMethod[Callable[[], str | None]]] = []
-        timeout = datetime.timedelta(seconds=timeout_seconds)
         self._owns_process_group = not dist.is_initialized()
-        self._store: dist.Store
-        self._address: tuple[str, int] | None
         if self._owns_process_group:
-            self.rank, self.world_size = resolver.rank, resolver.world_size
-            self._store, self._address = _connect_store(resolver, timeout)
-            self._prefix = f"mirrored/{resolver.restart_count}"
-            loopback = sockets_on_loopback(self._address[0]) if backend == "gloo" else None
-            with loopback or contextlib.nullcontext():
-                dist.init_process_group(
-                    # With NCCL, CPU tensors (metadata, parameters not yet on their devices)
-                    # go through gloo.
-                    "cpu:gloo,cuda:nccl" if backend == "nccl" else backend,
-                    store=dist.PrefixStore(self._prefix + "/pg", self._store),
-                    rank=self.rank,
-                    world_size=self.world_size,
-                    timeout=timeout,
-                )
+            self._start_process_group(resolver, datetime.timedelta(seconds=timeout_seconds))
         else:  # the user's program set up torch.distributed itself: join its default group
             self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-            self._store = dist.distributed_c10d._get_default_store()
-            self._address = None
+            self._store: dist.Store = default_store()
+            self._address: tuple[str, int] | None = None
             self._prefix = "mirrored/joined"
             self.backend = str(dist.get_backend())
         # Where small metadata tensors go: the CPU unless the group has NCCL only.
@@ -164,6 +152,23 @@ class WorkerGroup:
             except BaseException:
                 self.close()
                 raise
+
+    def _start_process_group(self, resolver: ClusterResolver, timeout: datetime.timedelta) -> None:
+        """The job's process group, over the rendezvous store that rank 0 hosts."""
+        self.rank, self.world_size = resolver.rank, resolver.world_size
+        self._store, self._address = connect_store(resolver, timeout)
+        self._prefix = f"mirrored/{resolver.restart_count}"
+        loopback = sockets_on_loopback(self._address[0]) if self.backend == "gloo" else None
+        with loopback or contextlib.nullcontext():
+            dist.init_process_group(
+                # With NCCL, CPU tensors (metadata, parameters not yet on their devices) go
+                # through gloo.
+                "cpu:gloo,cuda:nccl" if self.backend == "nccl" else self.backend,
+                store=dist.PrefixStore(self._prefix + "/pg", self._store),
+                rank=self.rank,
+                world_size=self.world_size,
+                timeout=timeout,
+            )
 
     def __repr__(self) -> str:
         return f"WorkerGroup(rank={self.rank}, world_size={self.world_size}, {self.transport})"
@@ -430,80 +435,3 @@ def _signed(label: str, tensor: torch.Tensor) -> str:
     collective on different tensors (which gloo cannot tell, and waits on until the timeout)
     show where they differ in the error that names them."""
     return f"{label} [{tensor.numel()} x {str(tensor.dtype).removeprefix('torch.')}]"
-
-
-def _connect_store(
-    resolver: ClusterResolver, timeout: datetime.timedelta
-) -> tuple[dist.TCPStore, tuple[str, int]]:
-    """Rank 0 hosts the rendezvous store (unless a launcher's agent does); the others connect."""
-    host, port = resolver.master_addr, resolver.master_port
-    if resolver.rank != 0 or resolver.agent_store:
-        if port == 0:
-            raise ValueError(
-                f"worker {resolver.rank} of {resolver.world_size} needs the rendezvous port of "
-                "rank 0 (MASTER_PORT, or the chief's address in TF_CONFIG); got port 0"
-            )
-        return dist.TCPStore(host, port, resolver.world_size, False, timeout=timeout), (host, port)
-    return host_store(host, port, resolver.world_size, timeout)
-
-
-def host_store(
-    host: str, port: int, num_clients: int | None, timeout: datetime.timedelta
-) -> tuple[dist.TCPStore, tuple[str, int]]:
-    """A rendezvous store hosted by this process on a socket bound to ``host`` only, never on
-    every interface (TCPStore on its own binds the wildcard address); port 0 picks a free one."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    listener = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((host, port))
-        listener.listen(128)
-    except OSError as error:
-        listener.close()
-        raise OSError(
-            f"rank 0 cannot listen on {host}:{port} for the rendezvous ({error}); choose a free "
-            "port (MASTER_PORT, or the chief's port in TF_CONFIG) on an address of this machine"
-        ) from error
-    port = listener.getsockname()[1]
-    store = dist.TCPStore(
-        host,
-        port,
-        num_clients,
-        True,
-        timeout=timeout,
-        wait_for_workers=False,
-        master_listen_fd=listener.detach(),
-    )
-    return store, (host, port)
-
-
-def loopback_interface() -> str | None:
-    """The loopback interface's name (``lo`` on Linux, ``lo0`` on macOS): GLOO_SOCKET_IFNAME."""
-    names = {name for _, name in socket.if_nameindex()}
-    return next((name for name in ("lo", "lo0") if name in names), None)
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
-
-
-@contextmanager
-def sockets_on_loopback(
-    host: str, variables: tuple[str, ...] = ("GLOO_SOCKET_IFNAME",)
-) -> Iterator[None]:
-    """Bind gloo's (or TensorPipe's: ``TP_SOCKET_IFNAME``) sockets to the loopback interface when
-    the rendezvous is on loopback (they otherwise bind the address the machine's hostname
-    resolves to); a variable the user set is left alone."""
-    name = loopback_interface()
-    chosen = [v for v in variables if v not in os.environ]
-    if not _is_loopback(host) or name is None:
-        chosen = []
-    os.environ.update(dict.fromkeys(chosen, name or ""))
-    try:
-        yield
-    finally:
-        for variable in chosen:
-            del os.environ[variable]
