@@ -14,8 +14,9 @@ from torch import nn
 
 import mirrored
 from mirrored.cluster_resolver import ClusterResolver
+from mirrored.communication_options import choose_backend
 from mirrored.config import LogicalDevice, PhysicalDevice
-from mirrored.multi_worker import _backend, local_share
+from mirrored.multi_worker import local_share
 from tests.reference_loops import (
     OPTIMIZERS,
     assert_replicas_identical,
@@ -49,9 +50,9 @@ def test_options_are_checked() -> None:
 def test_nccl_on_cpu_devices_is_refused_and_auto_picks_gloo() -> None:
     cpu = mirrored.config.list_logical_devices("CPU")[:2]
     with pytest.raises(ValueError, match="NCCL needs CUDA devices"):
-        _backend(mirrored.CommunicationImplementation.NCCL, cpu)
-    assert _backend(mirrored.CommunicationImplementation.AUTO, cpu) == "gloo"
-    assert _backend(mirrored.CommunicationImplementation.RING, cpu) == "gloo"
+        choose_backend(mirrored.CommunicationImplementation.NCCL, cpu)
+    assert choose_backend(mirrored.CommunicationImplementation.AUTO, cpu) == "gloo"
+    assert choose_backend(mirrored.CommunicationImplementation.RING, cpu) == "gloo"
     nccl = mirrored.CommunicationImplementation.NCCL
     options = mirrored.CommunicationOptions(implementation=nccl)
     with pytest.raises(ValueError, match="NCCL needs CUDA devices"):

@@ -12,10 +12,7 @@ worker when one dies or hangs (:mod:`mirrored.worker_group`).
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import weakref
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -24,6 +21,11 @@ from torch import nn
 
 from mirrored.accumulation import AccumulationWindow
 from mirrored.cluster_resolver import ClusterResolver, resolve_cluster
+from mirrored.communication_options import (
+    CommunicationImplementation,
+    CommunicationOptions,
+    choose_backend,
+)
 from mirrored.config import DeviceSpec, LogicalDevice
 from mirrored.context import ReplicaContext
 from mirrored.gradient_reducer import OverlappedGradientReducer
@@ -42,11 +44,10 @@ from mirrored.local_sgd import LocalSGD, LocalSteps
 from mirrored.mirrored_module import MirroredModule, tensors_of
 from mirrored.mirrored_optimizer import MirroredOptimizer
 from mirrored.mirrored_strategy import MirroredStrategy, default_devices
-from mirrored.powersgd import PowerSGD
 from mirrored.rendezvous import ReplicaExchange
+from mirrored.step_agreement import StepAgreement
 from mirrored.values import PerReplica, ReduceOp, fingerprint, map_structure
-from mirrored.wire_compression import WIRE_DTYPES
-from mirrored.worker_group import PendingCollective, WorkerGroup
+from mirrored.worker_group import WorkerGroup
 
 __all__ = ["CommunicationImplementation", "CommunicationOptions", "MultiWorkerMirroredStrategy"]
 
@@ -55,79 +56,6 @@ __all__ = ["CommunicationImplementation", "CommunicationOptions", "MultiWorkerMi
 _FIRST_PACK_BYTES = 1 << 20
 _BYTES_PER_PACK = 25 << 20
 _DEFAULT_TIMEOUT_SECONDS = 1800.0
-
-
-class CommunicationImplementation(enum.Enum):
-    """The cross-process collective library (TensorFlow's names)."""
-
-    # NCCL where every device of every worker is CUDA; else gloo (RING), except that CPU tensors
-    # are summed through shared memory when every worker runs on this machine
-    # (mirrored.same_host_all_reduce: about 7x faster than gloo over loopback).
-    AUTO = "AUTO"
-    RING = "RING"  # gloo's ring all-reduce, on any device, for every collective
-    NCCL = "NCCL"  # NCCL, CUDA devices only
-
-
-@dataclasses.dataclass(frozen=True)
-class CommunicationOptions:
-    """How workers communicate (TensorFlow's ``tf.distribute.experimental.CommunicationOptions``).
-
-    Args:
-        bytes_per_pack: gradient bucket size in bytes; 0 chooses (a 1 MiB first bucket, then
-            25 MiB).
-        timeout_seconds: how long any collective waits for the other workers before failing
-            with an error naming the missing one; None: 30 minutes (never forever).
-        implementation: ``CommunicationImplementation``.
-        compression: "bf16" or "fp16": float32 gradients cross the network in 16 bits (half the
-            bytes) and are summed in float32 (:mod:`mirrored.wire_compression`); workers that
-            sum through shared memory on one machine send them whole. ``PowerSGD(rank)``: each
-            gradient matrix is summed as two rank-r factors, with error feedback
-            (:mod:`mirrored.powersgd`), over any transport. None: gradients go whole.
-    """
-
-    bytes_per_pack: int = 0
-    timeout_seconds: float | None = None
-    implementation: CommunicationImplementation = CommunicationImplementation.AUTO
-    compression: str | PowerSGD | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.bytes_per_pack, int) or self.bytes_per_pack < 0:
-            raise ValueError(
-                f"bytes_per_pack={self.bytes_per_pack!r}: expected an int >= 0 (0: automatic)"
-            )
-        if self.timeout_seconds is not None and not self.timeout_seconds > 0:
-            raise ValueError(
-                f"timeout_seconds={self.timeout_seconds!r}: expected a positive number or None"
-            )
-        if not isinstance(self.implementation, CommunicationImplementation):
-            raise TypeError(
-                f"implementation={self.implementation!r}: expected a "
-                "mirrored.CommunicationImplementation (AUTO, RING or NCCL)"
-            )
-        if not (
-            self.compression is None
-            or isinstance(self.compression, PowerSGD)
-            or self.compression in WIRE_DTYPES
-        ):
-            raise ValueError(
-                f"compression={self.compression!r}: expected one of {sorted(WIRE_DTYPES)} "
-                "(gradients in 16 bits on the wire), mirrored.PowerSGD(rank=...) or None"
-            )
-
-
-def _backend(implementation: CommunicationImplementation, devices: Sequence[LogicalDevice]) -> str:
-    all_cuda = all(d.device_type == "GPU" for d in devices)
-    if implementation is CommunicationImplementation.NCCL:
-        if not all_cuda or not torch.distributed.is_nccl_available():
-            raise ValueError(
-                f"CommunicationImplementation.NCCL needs CUDA devices and a CUDA build of torch; "
-                f"this worker's devices are {[d.short_name for d in devices]}: use "
-                "CommunicationImplementation.RING (gloo) or AUTO"
-            )
-        return "nccl"
-    if implementation is CommunicationImplementation.AUTO and all_cuda:
-        return "nccl" if torch.distributed.is_nccl_available() else "gloo"
-    return "gloo"
 
 
 def local_share(devices: Sequence[LogicalDevice], resolver: ClusterResolver) -> list[LogicalDevice]:
@@ -210,7 +138,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         self.communication_options = options
         self.cluster_resolver = resolver
         try:
-            backend = _backend(options.implementation, self.devices)
+            backend = choose_backend(options.implementation, self.devices)
             if backend == "nccl":  # NCCL's communicator and metadata use the current device
                 torch.cuda.set_device(self.devices[0].torch_device)
             same_host = options.implementation is CommunicationImplementation.AUTO
@@ -373,7 +301,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         """
         prefetch = prefetch_depth(options)
         refuse_distributed_sampler(dataset)
-        agreement = _StepAgreement(self._group, wait_for_global_size=False)
+        agreement = StepAgreement(self._group, wait_for_global_size=False)
         if shardable_loader(dataset):
             return distribute_loader_parts(
                 dataset,  # type: ignore[arg-type]
@@ -403,7 +331,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         return distribute_replica_batches(
             [dataset_fn(input_context)],
             self._input_devices,
-            _StepAgreement(self._group, wait_for_global_size=True),
+            StepAgreement(self._group, wait_for_global_size=True),
         )
 
     # -- models -----------------------------------------------------------------------------------
@@ -486,109 +414,3 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         """Stop the replica threads and leave the process group; idempotent."""
         super().close()
         self._close_group()
-
-
-class _StepAgreement:
-    """Checks that every worker's input yields the same global batches: the same number of
-    steps, and the same examples in each iteration's first batch (workers seeded differently
-    would shuffle differently, and examples would be dropped or seen twice without an error).
-
-    A dataset of known length (a list, a DataLoader over a map-style dataset) is checked once
-    per iteration: the workers compare lengths. Otherwise, for a global dataset (every worker
-    sees the whole batch) the check of step ``k`` runs in the background and is read at step
-    ``k+1``, so it costs no wait; per-worker pipelines must agree on the global batch size before
-    each step, so there the check waits.
-    """
-
-    def __init__(self, group: WorkerGroup, wait_for_global_size: bool) -> None:
-        self._group = group
-        self._wait = wait_for_global_size
-        self._pending: deque[tuple[list[torch.Tensor], PendingCollective]] = deque()
-        self._steps = 0
-        self._per_step = True
-        group.add_explainer(self._explain)
-
-    def begin(self, num_steps: int | None, first_batch: int | None = None) -> None:
-        self._per_step = num_steps is None or self._wait
-        if self._per_step and first_batch is None:
-            return
-        mine = torch.tensor(
-            [-1 if self._per_step else num_steps, -1 if first_batch is None else first_batch],
-            device=self._group.meta_device,
-        )
-        gathered = self._group.all_gather(mine, "input: dataset lengths and first batches")
-        lengths = [int(p[0].item()) for p in gathered]
-        if len(set(lengths)) > 1:
-            raise ValueError(
-                f"the workers' datasets have different lengths ({lengths}, by rank): every "
-                "worker must iterate the same global batches (the same dataset in every worker)"
-            )
-        if len({int(p[1].item()) for p in gathered}) > 1:
-            raise ValueError(
-                "the workers' first global batches hold different examples: their DataLoaders "
-                "shuffle differently. Every worker must iterate the same global batches: seed "
-                "every worker alike (torch.manual_seed(seed) before iterating), or give the "
-                "DataLoader generator=torch.Generator().manual_seed(seed)"
-            )
-
-    def batch(self, num_examples: int) -> int:
-        if not self._per_step:
-            return num_examples
-        self._start(num_examples, has_batch=True)
-        if self._wait:
-            return sum(int(p[1].item()) for p in self._settle())
-        self._check_all_but_last()
-        return num_examples
-
-    def end(self) -> None:
-        if not self._per_step:
-            return
-        self._start(0, has_batch=False)
-        self._settle()
-
-    def _start(self, num_examples: int, has_batch: bool) -> None:
-        self._steps += has_batch
-        mine = torch.tensor(
-            [int(has_batch), num_examples], dtype=torch.int64, device=self._group.meta_device
-        )
-        self._pending.append(self._group.all_gather_async(mine, "input: next batch"))
-
-    def _check_all_but_last(self) -> None:
-        while len(self._pending) > 1:
-            parts, pending = self._pending.popleft()
-            pending.wait()
-            self._raise_if_uneven(parts)
-
-    def _settle(self) -> list[torch.Tensor]:
-        parts: list[torch.Tensor] = []
-        while self._pending:
-            parts, pending = self._pending.popleft()
-            pending.wait()
-            self._raise_if_uneven(parts)
-        return parts
-
-    def _raise_if_uneven(self, parts: list[torch.Tensor]) -> None:
-        message = self._uneven(parts)
-        if message:
-            raise ValueError(message)
-
-    def _uneven(self, parts: list[torch.Tensor]) -> str | None:
-        has = [int(p[0].item()) for p in parts]
-        if len(set(has)) == 1:
-            return None
-        done = [rank for rank, h in enumerate(has) if not h]
-        more = [rank for rank, h in enumerate(has) if h]
-        return (
-            f"the input of worker(s) {done} ran out while worker(s) {more} still had batches "
-            f"(at step {self._steps}): every worker's dataset must yield the same number of "
-            "steps (shard the data evenly, or repeat it and set steps_per_epoch)"
-        )
-
-    def _explain(self) -> str | None:
-        """For a failed collective: whether a finished check shows uneven input."""
-        for parts, pending in self._pending:
-            if pending.succeeded():
-                message = self._uneven(parts)
-                if message:
-                    return message
-        return None
