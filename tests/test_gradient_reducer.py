@@ -17,8 +17,15 @@ def test_each_replicas_gradients_are_packed_where_the_plan_says() -> None:
     params = [list(replica.parameters()) for replica in replicas]
     with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
         reducer = OverlappedGradientReducer(
-            strategy, params, None, None, None, None, bytes_per_pack=64, first_pack_bytes=24
-        )  # no worker group: nothing here communicates
+            strategy,
+            params,
+            strategy.communicator,  # no workers' group: nothing here communicates
+            None,
+            None,
+            None,
+            bytes_per_pack=64,
+            first_pack_bytes=24,
+        )
         try:
             shapes, dtypes = [p.shape for p in params[0]], [p.dtype for p in params[0]]
             plan = plan_gradient_buckets(shapes, dtypes, 64, 24)

@@ -46,11 +46,11 @@ from mirrored.wire_compression import bucket_compressor
 
 if TYPE_CHECKING:
     from mirrored.accumulation import AccumulationWindow
+    from mirrored.communicator import Communicator
     from mirrored.local_sgd import LocalSteps
     from mirrored.powersgd import PowerSGD
     from mirrored.strategy import InProcessStrategy
     from mirrored.wire_compression import PendingSum
-    from mirrored.worker_group import WorkerGroup
 
 __all__ = ["OverlappedGradientReducer"]
 
@@ -66,7 +66,7 @@ class OverlappedGradientReducer:
         strategy: the multi-worker strategy (its active replica contexts give each hook the
             current step's exchange).
         params: each local replica's trainable parameters, in the same order.
-        group: the workers' process group.
+        communicator: the strategy's; its workers' group carries the buckets across workers.
         window: the optimizer's accumulation window (None: every step reduces).
         local: the optimizer's local SGD schedule (None: every update reduces).
         compression: ``CommunicationOptions.compression`` (:mod:`mirrored.wire_compression`).
@@ -79,7 +79,7 @@ class OverlappedGradientReducer:
         self,
         strategy: InProcessStrategy,
         params: Sequence[Sequence[nn.Parameter]],
-        group: WorkerGroup,
+        communicator: Communicator,
         window: AccumulationWindow | None,
         local: LocalSteps | None,
         compression: str | PowerSGD | None,
@@ -87,7 +87,7 @@ class OverlappedGradientReducer:
         first_pack_bytes: int,
     ) -> None:
         self._strategy = strategy
-        self._group = group
+        self._workers = communicator.workers
         self._window = window
         self._local = local
         self._params = [list(p) for p in params]
@@ -266,10 +266,11 @@ class OverlappedGradientReducer:
         for buffers in self._buffers[1:]:
             total.add_(buffers[b].to(total.device, non_blocking=True))
         label = f"gradients: bucket {b + 1} of {len(self.plan.buckets)}"
+        assert self._workers is not None  # made by a strategy whose communicator has workers
         if self._compressor is None:
-            self._pending[b] = self._group.all_reduce_async(total, label)
+            self._pending[b] = self._workers.all_reduce_async(total, label)
         else:
-            self._pending[b] = self._compressor.start(self._group, b, total, label)
+            self._pending[b] = self._compressor.start(self._workers, b, total, label)
 
     # -- the end of a pass ------------------------------------------------------------------------
     def finish_pass(self, r: int) -> None:

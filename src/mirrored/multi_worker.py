@@ -1,8 +1,9 @@
 """MultiWorkerMirroredStrategy: MirroredStrategy in every process, kept in sync across processes.
 
 Inside a process the replicas are exactly MirroredStrategy's (threads, logical devices). Across
-processes every collective is hierarchical: summed over the local replicas, one all-reduce per
-bucket between the workers (``torch.distributed``: gloo on CPU, NCCL where every device is CUDA;
+processes every collective is hierarchical (MirroredStrategy's communicator with a second level,
+:mod:`mirrored.communicator`): summed over the local replicas, one all-reduce per bucket between
+the workers (``torch.distributed``: gloo on CPU, NCCL where every device is CUDA;
 shared memory between the workers of one machine, :mod:`mirrored.same_host_all_reduce`), then
 shared with the local replicas again. Gradients go while backward still runs
 (:mod:`mirrored.gradient_reducer`). The cluster comes from ``TF_CONFIG`` or torchrun's
@@ -26,8 +27,8 @@ from mirrored.communication_options import (
     CommunicationOptions,
     choose_backend,
 )
+from mirrored.communicator import Communicator
 from mirrored.config import DeviceSpec, LogicalDevice
-from mirrored.context import ReplicaContext
 from mirrored.gradient_reducer import OverlappedGradientReducer
 from mirrored.input import (
     DistributedDataset,
@@ -44,9 +45,8 @@ from mirrored.local_sgd import LocalSGD, LocalSteps
 from mirrored.mirrored_module import MirroredModule, tensors_of
 from mirrored.mirrored_optimizer import MirroredOptimizer
 from mirrored.mirrored_strategy import MirroredStrategy, default_devices
-from mirrored.rendezvous import ReplicaExchange
 from mirrored.step_agreement import StepAgreement
-from mirrored.values import PerReplica, ReduceOp, fingerprint, map_structure
+from mirrored.values import fingerprint
 from mirrored.worker_group import WorkerGroup
 
 __all__ = ["CommunicationImplementation", "CommunicationOptions", "MultiWorkerMirroredStrategy"]
@@ -72,6 +72,21 @@ def local_share(devices: Sequence[LogicalDevice], resolver: ClusterResolver) -> 
             f"at least (fewer workers per machine), or pass devices= to each worker"
         )
     return gpus[resolver.local_rank * share : (resolver.local_rank + 1) * share]
+
+
+def _connect_workers(
+    options: CommunicationOptions,
+    resolver: ClusterResolver,
+    devices: Sequence[LogicalDevice],
+    timeout_seconds: float,
+) -> WorkerGroup:
+    """This worker's process group with the others, on the backend ``options`` choose."""
+    backend = choose_backend(options.implementation, devices)
+    if backend == "nccl":  # NCCL's communicator and metadata use the current device
+        torch.cuda.set_device(devices[0].torch_device)
+    same_host = options.implementation is CommunicationImplementation.AUTO
+    same_host = same_host and backend == "gloo"  # NCCL moves CUDA tensors itself
+    return WorkerGroup(resolver, backend, timeout_seconds, same_host=same_host)
 
 
 class MultiWorkerMirroredStrategy(MirroredStrategy):
@@ -138,35 +153,27 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         self.communication_options = options
         self.cluster_resolver = resolver
         try:
-            backend = choose_backend(options.implementation, self.devices)
-            if backend == "nccl":  # NCCL's communicator and metadata use the current device
-                torch.cuda.set_device(self.devices[0].torch_device)
-            same_host = options.implementation is CommunicationImplementation.AUTO
-            same_host = same_host and backend == "gloo"  # NCCL moves CUDA tensors itself
-            self._group = WorkerGroup(resolver, backend, timeout, same_host=same_host)
+            self._group = _connect_workers(options, resolver, self.devices, timeout)
         except BaseException:
             super().close()
             raise
         self._close_group = weakref.finalize(self, self._group.close)
         self._reducers: weakref.WeakSet[OverlappedGradientReducer] = weakref.WeakSet()
-        layout = self._group.all_gather_json(
-            [d.short_name for d in self.devices], "strategy: devices of every worker"
-        )
-        self._replicas_per_worker = [len(names) for names in layout]
-        self._offset = sum(self._replicas_per_worker[: self._group.rank])
+        # MirroredStrategy's collectives, with a second level across the workers.
+        self.communicator = Communicator(self.cross_device_ops, self.devices, self._group)
         # Per-replica random streams are keyed by the global replica id.
         for local, randomness in enumerate(self._randomness):
-            randomness.replica_id = self._offset + local
+            randomness.replica_id = self._first_replica_id + local
 
     # -- identity ---------------------------------------------------------------------------------
     @property
     def num_replicas_in_sync(self) -> int:
         """Every replica of every worker."""
-        return sum(self._replicas_per_worker)
+        return self.communicator.num_replicas_in_sync
 
     @property
     def _first_replica_id(self) -> int:
-        return self._offset
+        return self.communicator.layout.first_replica
 
     @property
     def worker_group(self) -> WorkerGroup:
@@ -232,62 +239,6 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
                 self._group.abort(error)
             raise
 
-    # -- collectives ------------------------------------------------------------------------------
-    def _all_reduce_buffer(self, exchange: ReplicaExchange, flat: torch.Tensor) -> None:
-        """Local all-reduce, one cross-process all-reduce by the first replica, shared back."""
-        super()._all_reduce_buffer(exchange, flat)
-        if exchange.replica_id == 0:
-            self._group.all_reduce(flat, "all_reduce")
-        if exchange.num_replicas > 1:
-            first = exchange.all("all_reduce: across workers", flat, cross_device=True)[0]
-            if exchange.replica_id:
-                flat.copy_(first, non_blocking=True)
-            exchange.barrier("all_reduce: across workers done", cross_device=True)
-
-    def all_gather_tensors(
-        self, replica: ReplicaContext, tensors: Sequence[torch.Tensor], axis: int
-    ) -> list[torch.Tensor]:
-        local = super().all_gather_tensors(replica, tensors, axis)
-        gathered = None
-        if replica.local_replica_id == 0:
-            gathered = [self._gather_across_workers(t, axis) for t in local]
-        if len(self.devices) == 1:
-            assert gathered is not None
-            return gathered
-        first = replica.exchange.all("all_gather: across workers", gathered, cross_device=True)[0]
-        result = [t.to(replica.device) for t in first]
-        replica.exchange.barrier("all_gather: across workers done", cross_device=True)
-        return result
-
-    def _gather_across_workers(self, tensor: torch.Tensor, axis: int) -> torch.Tensor:
-        """Every worker's ``tensor`` concatenated along ``axis`` (sizes along it may differ)."""
-        moved = tensor.movedim(axis, 0).contiguous()
-        length = torch.tensor([moved.shape[0]], dtype=torch.int64, device=moved.device)
-        lengths = [int(n.item()) for n in self._group.all_gather(length, "gather: lengths")]
-        padded = moved.new_zeros((max(lengths), *moved.shape[1:]))
-        padded[: moved.shape[0]] = moved
-        parts = self._group.all_gather(padded, "gather")
-        whole = torch.cat([p[:n] for p, n in zip(parts, lengths, strict=True)])
-        return whole.movedim(0, axis)
-
-    def _reduce_leaf(self, op: ReduceOp, value: Any, axis: int | None) -> torch.Tensor:
-        total = super()._reduce_leaf(ReduceOp.SUM, value, axis).clone()
-        self._group.all_reduce(total, "reduce")
-        if op is not ReduceOp.MEAN:
-            return total
-        if axis is None:
-            return total / self.num_replicas_in_sync
-        parts = value.values if isinstance(value, PerReplica) else (value,) * len(self.devices)
-        count = torch.tensor(
-            [float(sum(torch.as_tensor(p).shape[axis] for p in parts))], device=total.device
-        )
-        self._group.all_reduce(count, "reduce: lengths")
-        return total / count
-
-    def gather(self, value: Any, axis: int) -> Any:
-        local = super().gather(value, axis)
-        return map_structure(lambda t: self._gather_across_workers(t, axis), local)
-
     # -- input ------------------------------------------------------------------------------------
     def experimental_distribute_dataset(
         self, dataset: Iterable[Any], options: InputOptions | None = None
@@ -306,7 +257,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
             return distribute_loader_parts(
                 dataset,  # type: ignore[arg-type]
                 self._input_devices,
-                self._offset,
+                self._first_replica_id,
                 self.num_replicas_in_sync,
                 agreement,
                 prefetch,
@@ -314,7 +265,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         return distribute_global_batches(
             dataset,
             self._input_devices,
-            self._offset,
+            self._first_replica_id,
             self.num_replicas_in_sync,
             agreement,
             prefetch=prefetch,
@@ -384,9 +335,6 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
                 ):
                     tensor.copy_(part.view_as(tensor))
 
-    def _workers_layout(self) -> tuple[list[int], int, WorkerGroup | None]:
-        return list(self._replicas_per_worker), self._group.rank, self._group
-
     def gradient_reducer(
         self,
         params: Sequence[Sequence[nn.Parameter]],
@@ -399,7 +347,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         reducer = OverlappedGradientReducer(
             self,
             params,
-            self._group,
+            self.communicator,
             window,
             local,
             self.communication_options.compression,

@@ -1,9 +1,9 @@
 """Collectives among the replicas of one run, over their ``ReplicaExchange``.
 
 A bucketed all-reduce (every replica's tensors packed into the cross-device op's buckets, one
-all-reduce per bucket) and an all-gather between the replicas of this process. The strategy
-chooses how one bucket is summed (``all_reduce_buffer``): across workers, it adds a cross-process
-step.
+all-reduce per bucket) and an all-gather between the replicas of this process. The caller,
+:mod:`mirrored.communicator`, chooses how one bucket is summed (``all_reduce_buffer``): across
+workers, it adds a cross-process step.
 """
 
 from __future__ import annotations

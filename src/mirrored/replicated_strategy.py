@@ -28,7 +28,6 @@ from mirrored.zero_redundancy import ZeroRedundancy, check_zero_stage
 
 if TYPE_CHECKING:
     from mirrored.mirror import MirroredModule, MirroredOptimizer
-    from mirrored.worker_group import WorkerGroup
 
 __all__ = ["ReplicatedStrategy", "observe_backward"]
 
@@ -136,14 +135,7 @@ class ReplicatedStrategy(InProcessStrategy, MirrorFeatures):
         ``zero_stage=0`` every replica keeps all of it)."""
         if self.zero_stage == 0:
             return None
-        replicas_per_worker, worker, group = self._workers_layout()
-        return ZeroRedundancy(
-            self.zero_stage, optimizers, params, replicas_per_worker, worker, group
-        )
-
-    def _workers_layout(self) -> tuple[list[int], int, WorkerGroup | None]:
-        """How many replicas each worker runs, this worker's rank and the workers' group."""
-        return [len(self.devices)], 0, None
+        return ZeroRedundancy(self.zero_stage, optimizers, params, self.communicator)
 
 
 def observe_backward(roots: tuple[torch.Tensor, ...]) -> None:

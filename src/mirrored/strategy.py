@@ -23,6 +23,7 @@ import torch
 
 from mirrored import context
 from mirrored.buffer_sync import SyncsBuffers
+from mirrored.communicator import Communicator
 from mirrored.config import LogicalDevice
 from mirrored.cross_device_ops import CrossDeviceOps
 from mirrored.input import (
@@ -36,7 +37,6 @@ from mirrored.input import (
     prefetch_depth,
 )
 from mirrored.rendezvous import Rendezvous, ReplicaExchange
-from mirrored.replica_collectives import all_gather_local, all_reduce_in_buckets
 from mirrored.replica_failures import add_note, first_failure
 from mirrored.replica_workers import Outcome
 from mirrored.strategy_contract import Strategy
@@ -65,7 +65,8 @@ class InProcessStrategy(Strategy):
                 f"timeout_seconds={timeout_seconds}: expected a positive number or None"
             )
         self.devices: tuple[LogicalDevice, ...] = tuple(devices)
-        self.cross_device_ops = cross_device_ops
+        # Every collective goes through it; a multi-worker strategy's also crosses processes.
+        self.communicator = Communicator(cross_device_ops, self.devices)
         self.timeout_seconds = timeout_seconds
         # Insertion-ordered (a dict), so resyncs can run newest first.
         self._replicated: weakref.WeakKeyDictionary[Replicated, None] = weakref.WeakKeyDictionary()
@@ -76,6 +77,11 @@ class InProcessStrategy(Strategy):
         self._physical_gpus = tuple(
             sorted({d.physical.index for d in self.devices if d.device_type == "GPU"})
         )
+
+    @property
+    def cross_device_ops(self) -> CrossDeviceOps:
+        """How a bucket is summed over this process's replicas (the communicator's)."""
+        return self.communicator.cross_device_ops
 
     # -- identity ---------------------------------------------------------------------------------
     @property
@@ -285,27 +291,14 @@ class InProcessStrategy(Strategy):
     ) -> list[torch.Tensor]:
         """Collective: reduce a list of tensors across replicas, packed into buckets. Every
         replica must pass the same shapes and dtypes (a ValueError naming them otherwise)."""
-        return all_reduce_in_buckets(
-            replica,
-            reduce_op,
-            tensors,
-            self.cross_device_ops,
-            self._all_reduce_buffer,
-            self.num_replicas_in_sync,
-        )
+        return self.communicator.all_reduce_tensors(replica, reduce_op, tensors)
 
     def all_gather_tensors(
         self, replica: context.ReplicaContext, tensors: Sequence[torch.Tensor], axis: int
     ) -> list[torch.Tensor]:
         """Collective: each tensor concatenated along ``axis`` over the replicas, in replica
         order, on this replica's device (sizes along ``axis`` may differ)."""
-        if len(self.devices) == 1:
-            return list(tensors)
-        return all_gather_local(replica, tensors, axis)
-
-    def _all_reduce_buffer(self, exchange: ReplicaExchange, flat: torch.Tensor) -> None:
-        """Collective: sum one flat bucket over every replica, in place."""
-        self.cross_device_ops.all_reduce(exchange, flat)
+        return self.communicator.all_gather_tensors(replica, tensors, axis)
 
     # -- combining results ------------------------------------------------------------------------
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
@@ -325,36 +318,13 @@ class InProcessStrategy(Strategy):
         ragged split gives the same mean as one device.
         """
         op = ReduceOp.of(reduce_op)
-        return map_structure(lambda v: self._reduce_leaf(op, v, axis), value)
-
-    def _reduce_leaf(self, op: ReduceOp, value: Any, axis: int | None) -> torch.Tensor:
-        # A plain value is the same on every replica (run() unwraps identical results), as a
-        # mirrored value is in TensorFlow: SUM counts it once per replica.
-        parts = value.values if isinstance(value, PerReplica) else (value,) * len(self.devices)
-        tensors = [torch.as_tensor(p).detach() for p in parts]
-        destination = self.devices[0].torch_device
-        if axis is None:
-            return self.cross_device_ops.reduce(op, tensors, destination)
-        total = self.cross_device_ops.reduce(
-            ReduceOp.SUM, [t.sum(dim=axis) for t in tensors], destination
-        )
-        if op is ReduceOp.MEAN:
-            total = total / sum(t.shape[axis] for t in tensors)
-        return total
+        return map_structure(lambda v: self.communicator.reduce(op, v, axis), value)
 
     def gather(self, value: Any, axis: int) -> Any:
         """Concatenate the per-replica parts along ``axis`` on the first replica's device
         (detached)."""
-        destination = self.devices[0].torch_device
         return map_structure(
-            lambda v: torch.cat(
-                [
-                    torch.as_tensor(p).detach().to(destination)
-                    for p in self.experimental_local_results(v)
-                ],
-                dim=axis,
-            ),
-            value,
+            lambda v: self.communicator.gather(self.experimental_local_results(v), axis), value
         )
 
     # -- input ------------------------------------------------------------------------------------

@@ -54,8 +54,8 @@ from mirrored.zero_state import (
 from mirrored.zero_storage import ShardStorage
 
 if TYPE_CHECKING:
+    from mirrored.communicator import Communicator
     from mirrored.context import ReplicaContext
-    from mirrored.worker_group import WorkerGroup
 
 # What one gather or reduce-scatter across workers moves per worker at most: the staging
 # buffers are this times the worker count, not the parameters' size.
@@ -92,9 +92,8 @@ class ZeroRedundancy:
         stage: 1 (optimizer state) or 2 (optimizer state and gradients).
         optimizers: each local replica's optimizer (replica 0's is the user's).
         params: each local replica's parameters, in the same order.
-        replicas_per_worker: how many replicas each worker runs, in rank order.
-        worker: this worker's rank.
-        group: the workers' process group (None: one process).
+        communicator: the strategy's: its worker layout places the owners, and its workers'
+            group (None in one process) carries the collectives across workers.
     """
 
     def __init__(
@@ -102,18 +101,19 @@ class ZeroRedundancy:
         stage: int,
         optimizers: Sequence[torch.optim.Optimizer],
         params: Sequence[Sequence[nn.Parameter]],
-        replicas_per_worker: Sequence[int],
-        worker: int,
-        group: WorkerGroup | None,
+        communicator: Communicator,
     ) -> None:
         _check_optimizer(stage, optimizers[0])
         self.stage = stage
         self.optimizers = list(optimizers)
         self.params = [list(p) for p in params]
-        self._group = group
+        self._workers = communicator.workers
+        layout = communicator.layout
         # _CHUNK_BYTES read now, not bound at import: the multi-process tests lower it.
         parameters = describe_parameters(self.params[0], optimizers[0])
-        self.plan = plan_zero(stage, parameters, replicas_per_worker, worker, _CHUNK_BYTES)
+        self.plan = plan_zero(
+            stage, parameters, layout.replicas_per_worker, layout.rank, _CHUNK_BYTES
+        )
         self._storage = ShardStorage(self.plan, self.params, self.optimizers)
         # Frozen parameters never change: they take no part (and must stay frozen).
         self._frozen = [[replica[i] for i in self.plan.frozen] for replica in self.params]
@@ -196,13 +196,13 @@ class ZeroRedundancy:
     def _reduce_scatter(self, everyone: Sequence[Sequence[torch.Tensor | None]]) -> None:
         """Sum the local replicas' gradients into the buffers, then every worker's into the
         segment this worker owns (the storage's ``sends``), in rank order."""
-        assert self._group is not None
+        assert self._workers is not None
         plan, storage, num_workers = self.plan, self._storage, self.plan.num_workers
         has = torch.tensor(
             [float(any(grads[i] is not None for grads in everyone)) for i in plan.positions],
-            device=self._group.meta_device,
+            device=self._workers.meta_device,
         )
-        self._group.all_reduce(has, "ZeRO: which parameters have gradients")
+        self._workers.all_reduce(has, "ZeRO: which parameters have gradients")
         self._has_grad = dict(zip(plan.positions, (bool(c) for c in has.tolist()), strict=True))
         for li, transfer in enumerate(plan.transfers):
             send, staging, received = storage.sends[li], storage.staging[li], storage.received[li]
@@ -219,7 +219,7 @@ class ZeroRedundancy:
                             outgoing[w * n + at : w * n + at + hi - lo].copy_(total)
                 incoming = received[: num_workers * n]
                 label = f"ZeRO: gradients ({dtype_name(transfer.layout.dtype)}, from {a})"
-                self._group.all_to_all_async(incoming, outgoing, label).wait()
+                self._workers.all_to_all_async(incoming, outgoing, label).wait()
                 chunks = incoming.view(num_workers, n)
                 send[a:b].copy_(chunks[0])
                 for chunk in chunks[1:]:
@@ -255,7 +255,7 @@ class ZeroRedundancy:
     def _gather_parameters(self) -> None:
         """Every worker's segments, a chunk at a time, into every local replica's parameters
         (by local replica 0, while the others wait)."""
-        assert self._group is not None
+        assert self._workers is not None
         plan, num_workers = self.plan, self.plan.num_workers
         for li, transfer in enumerate(plan.transfers):
             send, staging = self._storage.sends[li], self._storage.staging[li]
@@ -263,7 +263,7 @@ class ZeroRedundancy:
                 n = b - a
                 gathered = staging[: num_workers * n]
                 label = f"ZeRO: parameters ({dtype_name(transfer.layout.dtype)}, from {a})"
-                self._group.all_gather_into_async(gathered, send[a:b], label).wait()
+                self._workers.all_gather_into_async(gathered, send[a:b], label).wait()
                 for w in range(num_workers):
                     for k, lo, hi, at in transfer.parts(plan.pieces, w, a, b):
                         values = gathered[w * n + at : w * n + at + hi - lo]
@@ -329,8 +329,8 @@ class ZeroRedundancy:
         if self.plan.num_workers == 1:
             gathered = mine
         else:
-            assert self._group is not None
-            gathered = gather_state(self._group, self.plan.worker, self._storage.device, mine)
+            assert self._workers is not None
+            gathered = gather_state(self._workers, self.plan.worker, self._storage.device, mine)
         merged["state"] = consolidated_state(self.plan, gathered, self.params[0])
         return merged
 

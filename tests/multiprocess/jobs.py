@@ -19,7 +19,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import mirrored
 from mirrored import config, same_host_all_reduce, worker_group, zero_redundancy
+from mirrored.cluster_resolver import resolve_cluster
+from mirrored.communicator import Communicator
 from mirrored.same_host_all_reduce import SameHostAllReduce
+from mirrored.values import PerReplica, ReduceOp
 from tests.multiprocess import parameter_server_jobs
 from tests.reference_loops import (
     OPTIMIZERS,
@@ -638,10 +641,50 @@ def heartbeat_at_close(out: Path) -> None:
     torch.save({"running after close": running}, out / f"rank{rank}.pt")
 
 
+def communicator_levels(out: Path) -> None:
+    """A Communicator over this process's replicas and a worker group of its own, used alone
+    (no multi-worker strategy): each collective's results beside the values it combined."""
+    rank = int(os.environ["RANK"])
+    group = worker_group.WorkerGroup(resolve_cluster(), "gloo", 60.0)
+    try:
+        with mirrored.MirroredStrategy() as strategy:
+            communicator = Communicator(strategy.cross_device_ops, strategy.devices, group)
+            generator = torch.Generator().manual_seed(rank)
+            values = [torch.randn(5, dtype=torch.float64, generator=generator) for _ in "ab"]
+            shards = [torch.randn(1 + rank + r, 2, generator=generator) for r in range(2)]
+
+            def replica_fn(value: torch.Tensor, shard: torch.Tensor) -> dict[str, torch.Tensor]:
+                replica = mirrored.get_replica_context()
+                assert replica is not None
+                return {
+                    "all_reduce": communicator.all_reduce_tensors(replica, ReduceOp.SUM, [value])[
+                        0
+                    ],
+                    "all_gather": communicator.all_gather_tensors(replica, [shard], 0)[0],
+                }
+
+            result = strategy.run(replica_fn, args=(PerReplica(values), PerReplica(shards)))
+            layout = communicator.layout
+            saved = {
+                "layout": (layout.replicas_per_worker, layout.rank, layout.first_replica),
+                "values": values,
+                "shards": shards,
+                "all_reduce": strategy.experimental_local_results(result["all_reduce"]),
+                "all_gather": strategy.experimental_local_results(result["all_gather"]),
+                "reduce_sum": communicator.reduce(ReduceOp.SUM, PerReplica(values), None),
+                "reduce_mean_axis": communicator.reduce(ReduceOp.MEAN, PerReplica(shards), 0),
+                "gather": communicator.gather(shards, 0),
+            }
+            torch.save(saved, out / f"rank{rank}.pt")
+    finally:
+        group.close()
+
+
 JOBS: dict[str, Callable[..., None]] = {
     f.__name__: f
     for f in (
         custom_loop,
+        communicator_levels,
         wire_sum,
         digits,
         same_host_sums,
