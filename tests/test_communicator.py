@@ -7,6 +7,7 @@ import torch
 
 import mirrored
 from mirrored.communicator import Communicator, WorkerLayout
+from mirrored.strategy import InProcessStrategy
 from mirrored.values import PerReplica, ReduceOp
 
 
@@ -53,3 +54,9 @@ def test_collectives_over_the_local_replicas_sum_in_replica_order() -> None:
         assert torch.equal(
             communicator.reduce(ReduceOp.SUM, torch.tensor(2.0), None), torch.tensor(6.0)
         )
+
+
+def test_the_multi_worker_strategy_takes_its_collectives_from_its_communicator() -> None:
+    collectives = {"all_reduce_tensors", "all_gather_tensors", "reduce", "gather"}
+    assert not collectives & set(vars(mirrored.MultiWorkerMirroredStrategy))
+    assert collectives <= set(vars(InProcessStrategy))
