@@ -57,7 +57,10 @@ class _SixteenBitWire:
     def start(
         self, group: WorkerGroup, bucket: int, tensor: torch.Tensor, label: str
     ) -> PendingSum:
-        return group.all_reduce_async(tensor, label, self._wire_dtype)
+        # Shared memory between the workers of one machine carries the full tensor.
+        if tensor.dtype != torch.float32 or group.sums_in_shared_memory(tensor):
+            return group.all_reduce_async(tensor, label)
+        return SixteenBitSum(group, tensor, self._wire_dtype, label)
 
 
 class _PowerSGDWire:

@@ -45,7 +45,6 @@ from mirrored.cluster_store import (  # the last three: rpc_cluster's and launch
 )
 from mirrored.rendezvous import SyncMismatchError, SyncTimeoutError
 from mirrored.same_host_all_reduce import LocalReduceError, SameHostAllReduce
-from mirrored.wire_compression import SixteenBitSum
 
 __all__ = [
     "PendingCollective",
@@ -191,16 +190,14 @@ class WorkerGroup:
         return self.rank == 0
 
     # -- collectives ------------------------------------------------------------------------------
-    def all_reduce_async(
-        self, tensor: torch.Tensor, label: str, wire_dtype: torch.dtype | None = None
-    ) -> PendingCollective | SixteenBitSum:
-        """Start summing ``tensor`` over every worker, in place. ``wire_dtype`` (bfloat16 or
-        float16): a float32 tensor crosses the network in it and is summed in float32
-        (:mod:`mirrored.wire_compression`); shared memory between workers of one machine
-        always carries the full tensor."""
-        shared = self._same_host is not None and self._same_host.supports(tensor)
-        if wire_dtype is not None and not shared and tensor.dtype == torch.float32:
-            return SixteenBitSum(self, tensor, wire_dtype, label)
+    def sums_in_shared_memory(self, tensor: torch.Tensor) -> bool:
+        """Whether ``all_reduce_async(tensor)`` goes through shared memory (every worker on this
+        machine, a CPU tensor), not over the network."""
+        return self._same_host is not None and self._same_host.supports(tensor)
+
+    def all_reduce_async(self, tensor: torch.Tensor, label: str) -> PendingCollective:
+        """Start summing ``tensor`` over every worker, in place."""
+        shared = self.sums_in_shared_memory(tensor)
         with self._collective(_signed(label, tensor)) as position:
             if shared:
                 assert self._same_host is not None

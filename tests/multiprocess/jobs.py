@@ -23,6 +23,7 @@ from mirrored.cluster_resolver import resolve_cluster
 from mirrored.communicator import Communicator
 from mirrored.same_host_all_reduce import SameHostAllReduce
 from mirrored.values import PerReplica, ReduceOp
+from mirrored.wire_compression import bucket_compressor
 from tests.multiprocess import parameter_server_jobs
 from tests.reference_loops import (
     OPTIMIZERS,
@@ -285,7 +286,9 @@ def wire_sum(out: Path) -> None:
     with _strategy(compression="bf16") as strategy:
         group = strategy.worker_group
         tensor = torch.full((5,), 1.0 if group.rank == 0 else 2.0**-8)
-        group.all_reduce_async(tensor, "test: a 16-bit sum", torch.bfloat16).wait()
+        compressor = bucket_compressor("bf16", [[(0, tensor.shape)]], [tensor.numel()])
+        assert compressor is not None
+        compressor.start(group, 0, tensor, "test: a 16-bit sum").wait()
         _save(strategy, out, {"sum": tensor})
 
 
