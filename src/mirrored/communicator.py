@@ -26,6 +26,7 @@ from mirrored.values import PerReplica, ReduceOp
 
 if TYPE_CHECKING:
     from mirrored.context import ReplicaContext
+    from mirrored.wire_compression import BucketCompressor, PendingSum
     from mirrored.worker_group import WorkerGroup
 
 __all__ = ["Communicator", "WorkerLayout"]
@@ -182,14 +183,59 @@ class Communicator:
         local = torch.cat([torch.as_tensor(p).detach().to(destination) for p in parts], dim=axis)
         return local if self.workers is None else self._gather_across_workers(local, axis)
 
+    # -- the second level alone: one thread of each worker calls these ---------------------------
+    def all_reduce_across_workers_async(
+        self,
+        tensor: torch.Tensor,
+        label: str,
+        compressor: BucketCompressor | None = None,
+        bucket: int = 0,
+    ) -> PendingSum:
+        """Start summing ``tensor`` (already summed over the local replicas) over the workers,
+        in place; ``compressor``: how gradient bucket ``bucket`` crosses compressed."""
+        workers = self._across()
+        if compressor is None:
+            return workers.all_reduce_async(tensor, label)
+        return compressor.start(workers, bucket, tensor, label)
+
+    def sum_across_workers(self, values: Sequence[float], label: str) -> list[float]:
+        """``values`` summed over the workers (small metadata, such as flags)."""
+        workers = self._across()
+        total = torch.tensor(list(values), device=workers.meta_device)
+        workers.all_reduce(total, label)
+        return [float(v) for v in total.tolist()]
+
+    def reduce_scatter_across_workers(
+        self, outgoing: torch.Tensor, received: torch.Tensor, out: torch.Tensor, label: str
+    ) -> None:
+        """Worker ``i``'s ``out`` becomes the sum over the workers, in rank order, of the i-th
+        of their ``outgoing``'s equal chunks (``received``: staging as long as ``outgoing``)."""
+        workers = self._across()
+        workers.all_to_all_async(received, outgoing, label).wait()
+        chunks = received.view(workers.world_size, out.numel())
+        out.copy_(chunks[0])
+        for chunk in chunks[1:]:
+            out.add_(chunk)
+
+    def all_gather_across_workers(
+        self, gathered: torch.Tensor, tensor: torch.Tensor, label: str
+    ) -> None:
+        """Every worker's ``tensor`` (same size everywhere) end to end into ``gathered``, in
+        rank order."""
+        self._across().all_gather_into_async(gathered, tensor, label).wait()
+
     def _gather_across_workers(self, tensor: torch.Tensor, axis: int) -> torch.Tensor:
         """Every worker's ``tensor`` concatenated along ``axis`` (sizes along it may differ)."""
-        assert self.workers is not None
+        workers = self._across()
         moved = tensor.movedim(axis, 0).contiguous()
         length = torch.tensor([moved.shape[0]], dtype=torch.int64, device=moved.device)
-        lengths = [int(n.item()) for n in self.workers.all_gather(length, "gather: lengths")]
+        lengths = [int(n.item()) for n in workers.all_gather(length, "gather: lengths")]
         padded = moved.new_zeros((max(lengths), *moved.shape[1:]))
         padded[: moved.shape[0]] = moved
-        parts = self.workers.all_gather(padded, "gather")
+        parts = workers.all_gather(padded, "gather")
         whole = torch.cat([p[:n] for p, n in zip(parts, lengths, strict=True)])
         return whole.movedim(0, axis)
+
+    def _across(self) -> WorkerGroup:
+        assert self.workers is not None, "a collective across workers without a worker group"
+        return self.workers

@@ -87,7 +87,7 @@ class OverlappedGradientReducer:
         first_pack_bytes: int,
     ) -> None:
         self._strategy = strategy
-        self._workers = communicator.workers
+        self._communicator = communicator
         self._window = window
         self._local = local
         self._params = [list(p) for p in params]
@@ -266,11 +266,9 @@ class OverlappedGradientReducer:
         for buffers in self._buffers[1:]:
             total.add_(buffers[b].to(total.device, non_blocking=True))
         label = f"gradients: bucket {b + 1} of {len(self.plan.buckets)}"
-        assert self._workers is not None  # made by a strategy whose communicator has workers
-        if self._compressor is None:
-            self._pending[b] = self._workers.all_reduce_async(total, label)
-        else:
-            self._pending[b] = self._compressor.start(self._workers, b, total, label)
+        self._pending[b] = self._communicator.all_reduce_across_workers_async(
+            total, label, self._compressor, b
+        )
 
     # -- the end of a pass ------------------------------------------------------------------------
     def finish_pass(self, r: int) -> None:

@@ -107,7 +107,7 @@ class ZeroRedundancy:
         self.stage = stage
         self.optimizers = list(optimizers)
         self.params = [list(p) for p in params]
-        self._workers = communicator.workers
+        self._communicator = communicator
         layout = communicator.layout
         # _CHUNK_BYTES read now, not bound at import: the multi-process tests lower it.
         parameters = describe_parameters(self.params[0], optimizers[0])
@@ -196,14 +196,12 @@ class ZeroRedundancy:
     def _reduce_scatter(self, everyone: Sequence[Sequence[torch.Tensor | None]]) -> None:
         """Sum the local replicas' gradients into the buffers, then every worker's into the
         segment this worker owns (the storage's ``sends``), in rank order."""
-        assert self._workers is not None
         plan, storage, num_workers = self.plan, self._storage, self.plan.num_workers
-        has = torch.tensor(
+        has = self._communicator.sum_across_workers(
             [float(any(grads[i] is not None for grads in everyone)) for i in plan.positions],
-            device=self._workers.meta_device,
+            "ZeRO: which parameters have gradients",
         )
-        self._workers.all_reduce(has, "ZeRO: which parameters have gradients")
-        self._has_grad = dict(zip(plan.positions, (bool(c) for c in has.tolist()), strict=True))
+        self._has_grad = dict(zip(plan.positions, (bool(c) for c in has), strict=True))
         for li, transfer in enumerate(plan.transfers):
             send, staging, received = storage.sends[li], storage.staging[li], storage.received[li]
             for a, b in transfer.ranges():
@@ -219,11 +217,9 @@ class ZeroRedundancy:
                             outgoing[w * n + at : w * n + at + hi - lo].copy_(total)
                 incoming = received[: num_workers * n]
                 label = f"ZeRO: gradients ({dtype_name(transfer.layout.dtype)}, from {a})"
-                self._workers.all_to_all_async(incoming, outgoing, label).wait()
-                chunks = incoming.view(num_workers, n)
-                send[a:b].copy_(chunks[0])
-                for chunk in chunks[1:]:
-                    send[a:b].add_(chunk)
+                self._communicator.reduce_scatter_across_workers(
+                    outgoing, incoming, send[a:b], label
+                )
 
     def step(self, replica: ReplicaContext) -> Any:
         """Update the parameters and pieces this replica owns, then give every replica all of
@@ -255,7 +251,6 @@ class ZeroRedundancy:
     def _gather_parameters(self) -> None:
         """Every worker's segments, a chunk at a time, into every local replica's parameters
         (by local replica 0, while the others wait)."""
-        assert self._workers is not None
         plan, num_workers = self.plan, self.plan.num_workers
         for li, transfer in enumerate(plan.transfers):
             send, staging = self._storage.sends[li], self._storage.staging[li]
@@ -263,7 +258,7 @@ class ZeroRedundancy:
                 n = b - a
                 gathered = staging[: num_workers * n]
                 label = f"ZeRO: parameters ({dtype_name(transfer.layout.dtype)}, from {a})"
-                self._workers.all_gather_into_async(gathered, send[a:b], label).wait()
+                self._communicator.all_gather_across_workers(gathered, send[a:b], label)
                 for w in range(num_workers):
                     for k, lo, hi, at in transfer.parts(plan.pieces, w, a, b):
                         values = gathered[w * n + at : w * n + at + hi - lo]
@@ -329,8 +324,9 @@ class ZeroRedundancy:
         if self.plan.num_workers == 1:
             gathered = mine
         else:
-            assert self._workers is not None
-            gathered = gather_state(self._workers, self.plan.worker, self._storage.device, mine)
+            workers = self._communicator.workers
+            assert workers is not None
+            gathered = gather_state(workers, self.plan.worker, self._storage.device, mine)
         merged["state"] = consolidated_state(self.plan, gathered, self.params[0])
         return merged
 

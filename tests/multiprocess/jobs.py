@@ -668,6 +668,14 @@ def communicator_levels(out: Path) -> None:
 
             result = strategy.run(replica_fn, args=(PerReplica(values), PerReplica(shards)))
             layout = communicator.layout
+            outgoing = torch.randn(4, dtype=torch.float64, generator=generator)
+            scattered = torch.empty(2, dtype=torch.float64)
+            staging = torch.empty_like(outgoing)
+            communicator.reduce_scatter_across_workers(outgoing, staging, scattered, "test: rs")
+            gathered = torch.empty(4)
+            communicator.all_gather_across_workers(gathered, torch.full((2,), rank + 0.5), "ag")
+            summed = values[0].clone()
+            communicator.all_reduce_across_workers_async(summed, "test: all-reduce").wait()
             saved = {
                 "layout": (layout.replicas_per_worker, layout.rank, layout.first_replica),
                 "values": values,
@@ -677,6 +685,11 @@ def communicator_levels(out: Path) -> None:
                 "reduce_sum": communicator.reduce(ReduceOp.SUM, PerReplica(values), None),
                 "reduce_mean_axis": communicator.reduce(ReduceOp.MEAN, PerReplica(shards), 0),
                 "gather": communicator.gather(shards, 0),
+                "outgoing": outgoing,
+                "scattered": scattered,
+                "gathered": gathered,
+                "summed": summed,
+                "flags": communicator.sum_across_workers([1.0, float(rank)], "test: flags"),
             }
             torch.save(saved, out / f"rank{rank}.pt")
     finally:

@@ -32,3 +32,10 @@ def test_collectives_run_over_the_local_replicas_then_across_the_workers(tmp_pat
         assert torch.equal(result["reduce_sum"], total)
         assert torch.equal(result["reduce_mean_axis"], mean)
         assert torch.equal(result["gather"], whole)
+        # The second level alone (what ZeRO and the gradient reducer use).
+        mine = slice(2 * rank, 2 * rank + 2)
+        scattered = results[0]["outgoing"][mine] + results[1]["outgoing"][mine]
+        assert torch.equal(result["scattered"], scattered)
+        assert torch.equal(result["gathered"], torch.tensor([0.5, 0.5, 1.5, 1.5]))
+        assert torch.equal(result["summed"], values[0][0] + values[1][0])
+        assert result["flags"] == [2.0, 1.0]
