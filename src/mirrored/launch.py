@@ -31,6 +31,7 @@ from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
 
+from mirrored.cluster_store import loopback_interface
 from mirrored.launch_agent import launch_folder, restored_process_state, run_agent
 from mirrored.launch_plan import LaunchPlan
 from mirrored.launch_store import (
@@ -41,7 +42,6 @@ from mirrored.launch_store import (
     serve_store,
 )
 from mirrored.launch_worker import FINISHED_DIR, LAUNCHER_PID
-from mirrored.worker_group import loopback_interface
 
 __all__ = ["LaunchPlan", "add_arguments", "launch", "main", "run_arguments"]
 

@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
 from mirrored._torch_internals import rpc_agent_store, rpc_group_membership_lock
-from mirrored.worker_group import host_store, sockets_on_loopback
+from mirrored.cluster_store import host_store, sockets_on_loopback
 
 __all__ = [
     "Admissions",

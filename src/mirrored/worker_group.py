@@ -37,12 +37,7 @@ import torch.distributed as dist
 
 from mirrored._torch_internals import default_store
 from mirrored.cluster_resolver import ClusterResolver
-from mirrored.cluster_store import (  # the last three: rpc_cluster's and launch's names
-    connect_store,
-    host_store,
-    loopback_interface,
-    sockets_on_loopback,
-)
+from mirrored.cluster_store import connect_store, sockets_on_loopback
 from mirrored.rendezvous import SyncMismatchError, SyncTimeoutError
 from mirrored.same_host_all_reduce import LocalReduceError, SameHostAllReduce
 
@@ -50,9 +45,6 @@ __all__ = [
     "PendingCollective",
     "WorkerGroup",
     "WorkerLostError",
-    "host_store",
-    "loopback_interface",
-    "sockets_on_loopback",
 ]
 
 _HEARTBEAT_SECONDS = 0.5
