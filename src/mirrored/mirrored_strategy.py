@@ -11,15 +11,14 @@ import torch
 
 from mirrored import config
 from mirrored.config import DeviceSpec, LogicalDevice
-from mirrored.context import current_replica_context
 from mirrored.cross_device_ops import CrossDeviceOps, choose_cross_device_ops
 from mirrored.device_runtime import ReplicaDeviceRuntime, cap_process_memory
 from mirrored.input import PerReplicaShards
 from mirrored.load_balancing import LoadBalancing, ReplicaSpeeds
 from mirrored.local_sgd import LocalSGD
-from mirrored.random_routing import ReplicaRandomness
+from mirrored.random_routing import ReplicaRandomness, replica_streams
 from mirrored.rendezvous import Rendezvous
-from mirrored.replica_workers import Outcome, ReplicaWorkers
+from mirrored.replica_workers import Outcome, ReplicaWorkers, close_threads
 from mirrored.replicated_strategy import ReplicatedStrategy, observe_backward
 from mirrored.step_seeds import StepSeed
 from mirrored.values import flatten
@@ -152,13 +151,11 @@ class MirroredStrategy(ReplicatedStrategy):
 
     @contextmanager
     def _replica_scope(self, replica_id: int) -> Iterator[None]:
-        with self._runtimes[replica_id].task_scope(self._caller_streams[replica_id]):
-            if self.num_replicas_in_sync == 1:
-                # One replica, on the caller's thread: the global generator is its stream.
-                yield
-                return
-            with self._randomness[replica_id]:
-                yield
+        with (
+            self._runtimes[replica_id].task_scope(self._caller_streams[replica_id]),
+            replica_streams(self._randomness, replica_id, self.num_replicas_in_sync),
+        ):
+            yield
 
     def _usable(self) -> bool:
         return self._workers.broken is None
@@ -169,10 +166,4 @@ class MirroredStrategy(ReplicatedStrategy):
 
     def close(self) -> None:
         """Stop the worker threads; the strategy cannot run afterwards."""
-        if current_replica_context() is not None:
-            raise RuntimeError(
-                "strategy.close() was called inside a replica function; close the strategy "
-                "from the training loop, after strategy.run() returns"
-            )
-        if self._finalizer.detach() is not None:
-            self._workers.close(wait=True)
+        close_threads(self._finalizer, lambda: self._workers.close(wait=True))

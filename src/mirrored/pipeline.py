@@ -57,9 +57,9 @@ from mirrored.pipeline_split import (
     plan_stages,
     split_sequential,
 )
-from mirrored.random_routing import ReplicaRandomness
+from mirrored.random_routing import ReplicaRandomness, replica_streams
 from mirrored.rendezvous import Rendezvous
-from mirrored.replica_workers import Outcome, ReplicaWorkers
+from mirrored.replica_workers import Outcome, ReplicaWorkers, close_threads
 from mirrored.step_seeds import StepSeed
 from mirrored.strategy import InProcessStrategy
 from mirrored.values import PerReplica, flatten, map_structure
@@ -210,12 +210,11 @@ class PipelineStrategy(InProcessStrategy):
     def _replica_scope(self, replica_id: int) -> Iterator[None]:
         # A micro-batch's thread runs the loss and the user's step around the stages: with a
         # stage's share of the cores, not a whole thread pool competing with the stages'.
-        with intra_op_threads(self._stage_threads):
-            if self.num_replicas_in_sync == 1:
-                yield
-                return
-            with self._randomness[replica_id]:
-                yield
+        with (
+            intra_op_threads(self._stage_threads),
+            replica_streams(self._randomness, replica_id, self.num_replicas_in_sync),
+        ):
+            yield
 
     def _usable(self) -> bool:
         return self._workers.broken is None
@@ -360,13 +359,7 @@ class PipelineStrategy(InProcessStrategy):
 
     def close(self) -> None:
         """Stop the replica and stage threads; the strategy cannot run afterwards."""
-        if current_replica_context() is not None:
-            raise RuntimeError(
-                "strategy.close() was called inside a replica function; close the strategy "
-                "from the training loop, after strategy.run() returns"
-            )
-        if self._finalizer.detach() is not None:
-            _stop(self._workers, self._pipelines)
+        close_threads(self._finalizer, lambda: _stop(self._workers, self._pipelines))
 
 
 def _stop(workers: ReplicaWorkers, pipelines: list[Pipeline]) -> None:

@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import inspect
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import numpy as np
@@ -47,7 +48,7 @@ from mirrored.activation_checkpoint import entered_streams, replica_replay
 from mirrored.cpu_random_kernels import cpu_attention, cpu_dropout, is_plain, math_attention_fits
 from mirrored.step_seeds import StepSeed, global_generators_lock
 
-__all__ = ["ReplicaRandomness"]
+__all__ = ["ReplicaRandomness", "replica_streams"]
 
 _Args = tuple[Any, ...]
 _Kwargs = dict[str, Any]
@@ -394,3 +395,11 @@ class ReplicaRandomness(TorchFunctionMode):
                 if gpu is not None:
                     gpu.set_state(global_gpu.get_state())
                     global_gpu.set_state(saved_gpu)
+
+
+def replica_streams(
+    randomness: Sequence[ReplicaRandomness], replica_id: int, num_replicas_in_sync: int
+) -> AbstractContextManager[Any]:
+    """The random streams a replica's function runs under: its own, or, when it is the only
+    replica in sync (on the caller's thread), none: the caller's global generator is its stream."""
+    return nullcontext() if num_replicas_in_sync == 1 else randomness[replica_id]

@@ -19,12 +19,14 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from mirrored.context import current_replica_context
 from mirrored.rendezvous import ReplicaAbortedError, SyncTimeoutError, caused_by_timeout
 
-__all__ = ["Outcome", "ReplicaWorkers"]
+__all__ = ["Outcome", "ReplicaWorkers", "close_threads"]
 
 _STOP = object()
 
@@ -225,3 +227,18 @@ def _timed_out(outcome: Outcome) -> bool:
     """A replica failed on a timeout, or was released by one."""
     ok, value = outcome
     return not ok and caused_by_timeout(value)
+
+
+def close_threads(finalizer: weakref.finalize, stop: Callable[[], None]) -> None:
+    """``strategy.close()`` of a strategy whose threads ``finalizer`` ends at collection: the
+    first call detaches it and runs ``stop``, which waits for the threads; later calls do nothing.
+
+    A replica function cannot close its own strategy: its peers would wait on it forever.
+    """
+    if current_replica_context() is not None:
+        raise RuntimeError(
+            "strategy.close() was called inside a replica function; close the strategy "
+            "from the training loop, after strategy.run() returns"
+        )
+    if finalizer.detach() is not None:
+        stop()

@@ -20,7 +20,7 @@ from typing import Any
 
 from mirrored import checkpoint, rng_state
 from mirrored.callbacks.callback import Callback, Logs
-from mirrored.callbacks.save_frequency import SaveFrequency
+from mirrored.callbacks.save_frequency import SaveFrequency, SaveFrequencyHooks
 
 __all__ = ["BackupAndRestore"]
 
@@ -28,7 +28,7 @@ _FORMAT = "mirrored.backup/1"
 _FILE_NAME = "backup.pt"
 
 
-class BackupAndRestore(Callback):
+class BackupAndRestore(SaveFrequencyHooks, Callback):
     """Back up the whole training state to ``backup_dir`` and resume from it."""
 
     def __init__(
@@ -107,12 +107,6 @@ class BackupAndRestore(Callback):
             )
 
     # -- back up -----------------------------------------------------------------------------------
-    def on_train_batch_begin(self, batch: int, logs: Logs | None = None) -> None:
-        self._frequency.begin(batch)
-
-    def reads_batch_logs(self, hook: str) -> bool:
-        return hook == "on_train_batch_end" and self.save_freq != "epoch"
-
     def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
         if self._frequency.due(batch):
             self._save(logs)

@@ -20,12 +20,12 @@ from typing import Any
 from mirrored import checkpoint
 from mirrored.callbacks.callback import Logs
 from mirrored.callbacks.monitor import MonitorCallback
-from mirrored.callbacks.save_frequency import SaveFrequency
+from mirrored.callbacks.save_frequency import SaveFrequency, SaveFrequencyHooks
 
 __all__ = ["ModelCheckpoint"]
 
 
-class ModelCheckpoint(MonitorCallback):
+class ModelCheckpoint(SaveFrequencyHooks, MonitorCallback):
     """Save the model (``save_weights_only``: its weights) to ``filepath`` while training.
 
     ``save_freq``: "epoch" or a number of training batches. ``save_best_only``: save only when
@@ -65,12 +65,6 @@ class ModelCheckpoint(MonitorCallback):
 
     def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None:
         self._epoch = epoch
-
-    def on_train_batch_begin(self, batch: int, logs: Logs | None = None) -> None:
-        self._frequency.begin(batch)
-
-    def reads_batch_logs(self, hook: str) -> bool:
-        return hook == "on_train_batch_end" and self.save_freq != "epoch"
 
     def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
         if self._frequency.due(batch):

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["SaveFrequency"]
+from mirrored.callbacks.callback import Logs
+
+__all__ = ["SaveFrequency", "SaveFrequencyHooks"]
 
 
 class SaveFrequency:
@@ -43,3 +45,17 @@ class SaveFrequency:
 
     def saved(self) -> None:
         self.batches_since_save = 0
+
+
+class SaveFrequencyHooks:
+    """The batch hooks of a callback that saves every ``save_freq`` batches (put it before
+    ``Callback`` among the bases): each execution's first batch is noted, and a batch's logs are
+    read only when saves are per batch."""
+
+    _frequency: SaveFrequency
+
+    def on_train_batch_begin(self, batch: int, logs: Logs | None = None) -> None:
+        self._frequency.begin(batch)
+
+    def reads_batch_logs(self, hook: str) -> bool:
+        return hook == "on_train_batch_end" and not self._frequency.per_epoch
