@@ -69,6 +69,21 @@ class Metric:
             return torch.zeros(self.num_state, dtype=torch.float64)
         return self._state
 
+    @state.setter
+    def state(self, sums: torch.Tensor) -> None:
+        """Replace the merged sums (a vector of the ``batch_state`` form, kept as given: a
+        ``MetricSet`` keeps its metrics' sums as views of one vector)."""
+        self._check_state(sums, "state")
+        self._state = sums
+
+    def _check_state(self, state: Any, what: str) -> None:
+        if not isinstance(state, torch.Tensor) or state.shape != (self.num_state,):
+            received = shape_of(state) if isinstance(state, torch.Tensor) else type(state).__name__
+            raise ValueError(
+                f"metric {self.name!r}: {what} got {received}; expected a 1-D tensor of "
+                f"{self.num_state} sums, as batch_state returns"
+            )
+
     def batch_state(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """The additive state of one batch (its arguments and an optional ``sample_weight``): a
         1-D float64 tensor of ``num_state`` sums on the inputs' device."""
@@ -77,22 +92,10 @@ class Metric:
     def merge_state(self, state: torch.Tensor) -> None:
         """Add ``state`` (of this metric's ``batch_state`` form) to the running sums. The sums
         stay on the first accelerator they meet, so merging never waits for the device."""
-        if not isinstance(state, torch.Tensor) or state.shape != (self.num_state,):
-            received = shape_of(state) if isinstance(state, torch.Tensor) else type(state).__name__
-            raise ValueError(
-                f"metric {self.name!r}: merge_state got {received}; expected a 1-D tensor of "
-                f"{self.num_state} sums, as batch_state returns"
-            )
+        self._check_state(state, "merge_state")
         state = state.detach().to(torch.float64)
         own = self._state
-        if own is None:
-            self._state = state.clone()
-            return
-        if own.device.type == "cpu" and state.device.type != "cpu":
-            own = own.to(state.device)
-        elif own.device != state.device:
-            state = state.to(own.device)
-        self._state = own + state
+        self._state = state.clone() if own is None else add_sums(own, state)
 
     def result(self) -> float:
         raise NotImplementedError(f"{type(self).__name__} must implement result")
@@ -121,12 +124,23 @@ class Metric:
         return f"{type(self).__name__}(name={self.name!r})"
 
 
+def add_sums(own: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """Running sums plus a step's, out of place, on the first accelerator they meet: sums on
+    the CPU move to the step's device, a step elsewhere moves to theirs."""
+    own_device, device = own.device, state.device
+    if own_device == device:
+        return own + state
+    if own_device.type == "cpu":
+        return own.to(device) + state
+    return own + state.to(own_device)
+
+
 def _mean_state(values: Any, sample_weight: Any) -> torch.Tensor:
     """[sum of values * weight, sum of the weights broadcast to the values] in float64."""
     values = to_tensor(values, "values").detach()
     if sample_weight is None:
-        total = values.sum(dtype=torch.float64)
-        return torch.stack([total, total.new_tensor(float(values.numel()))])
+        count = torch.full((), values.numel(), dtype=torch.float64, device=values.device)
+        return torch.stack([values.sum(dtype=torch.float64), count])
     values = values.to(torch.float64)
     weight = broadcast_weight(sample_weight, values).detach()
     return torch.stack([(values * weight).sum(), weight.expand(values.shape).sum()])
@@ -167,7 +181,7 @@ class MeanMetricWrapper(_WeightedMean):
 
     def batch_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> torch.Tensor:
         with torch.no_grad():
-            values = self.fn(y_true, y_pred)
+            values = self._values(y_true, y_pred)
             if not isinstance(values, torch.Tensor) or values.dim() == 0:
                 received = "a 0-dim tensor" if isinstance(values, torch.Tensor) else repr(values)
                 raise ValueError(
@@ -177,6 +191,11 @@ class MeanMetricWrapper(_WeightedMean):
                 )
             return _mean_state(values, sample_weight)
 
+    def _values(self, y_true: Any, y_pred: Any) -> torch.Tensor:
+        """What the state averages: ``fn``'s values (an accuracy's matches as booleans, which
+        sum to the same counts in one op fewer)."""
+        return self.fn(y_true, y_pred)
+
 
 def _squeeze_trailing_one(values: torch.Tensor) -> torch.Tensor:
     return values.squeeze(-1) if values.dim() > 1 and values.shape[-1] == 1 else values
@@ -185,6 +204,10 @@ def _squeeze_trailing_one(values: torch.Tensor) -> torch.Tensor:
 def sparse_categorical_accuracy(y_true: Any, y_pred: Any) -> torch.Tensor:
     """Keras's function: 1.0 where the argmax of y_pred [batch, ..., classes] is the class id
     y_true [batch, ...] (a trailing dim of 1 squeezed), one value per example (per position)."""
+    return _sparse_categorical_matches(y_true, y_pred).to(torch.float32)
+
+
+def _sparse_categorical_matches(y_true: Any, y_pred: Any) -> torch.Tensor:
     pred = to_tensor(y_pred, "y_pred")
     true = to_tensor(y_true, "y_true", pred.device)
     ids = true.squeeze(-1) if true.dim() == pred.dim() and true.dim() > 0 else true
@@ -194,12 +217,16 @@ def sparse_categorical_accuracy(y_true: Any, y_pred: Any) -> torch.Tensor:
             f"{shape_of(pred)}; expected y_pred [batch, ..., classes] and y_true of class ids "
             "shaped like y_pred without its last dim (or with a last dim of 1)"
         )
-    return _squeeze_trailing_one((pred.argmax(dim=-1) == ids).to(torch.float32))
+    return _squeeze_trailing_one(pred.argmax(dim=-1) == ids)
 
 
 def categorical_accuracy(y_true: Any, y_pred: Any) -> torch.Tensor:
     """Keras's function: 1.0 where y_true and y_pred, both [batch, ..., classes], have their
     argmax in common."""
+    return _categorical_matches(y_true, y_pred).to(torch.float32)
+
+
+def _categorical_matches(y_true: Any, y_pred: Any) -> torch.Tensor:
     pred = to_tensor(y_pred, "y_pred")
     true = to_tensor(y_true, "y_true", pred.device)
     if pred.dim() < 2 or true.shape != pred.shape:
@@ -208,16 +235,18 @@ def categorical_accuracy(y_true: Any, y_pred: Any) -> torch.Tensor:
             "expected both [batch, ..., classes] (one-hot targets; for class ids use "
             "sparse_categorical_accuracy)"
         )
-    matches = pred.argmax(dim=-1) == true.argmax(dim=-1)
-    return _squeeze_trailing_one(matches.to(torch.float32))
+    return _squeeze_trailing_one(pred.argmax(dim=-1) == true.argmax(dim=-1))
 
 
 def binary_accuracy(y_true: Any, y_pred: Any, threshold: float = 0.5) -> torch.Tensor:
     """Keras's function: 1.0 where (y_pred > threshold) equals y_true, elementwise over one shape
     (a trailing dim of 1 aligned as Keras does)."""
+    return _binary_matches(y_true, y_pred, threshold).to(torch.float32)
+
+
+def _binary_matches(y_true: Any, y_pred: Any, threshold: float = 0.5) -> torch.Tensor:
     true_aligned, pred_aligned = aligned_pair("binary_accuracy", y_true, y_pred)
-    matches = (pred_aligned > threshold).to(true_aligned.dtype) == true_aligned
-    return _squeeze_trailing_one(matches.to(torch.float32))
+    return _squeeze_trailing_one((pred_aligned > threshold).to(true_aligned.dtype) == true_aligned)
 
 
 class SparseCategoricalAccuracy(MeanMetricWrapper):
@@ -226,12 +255,18 @@ class SparseCategoricalAccuracy(MeanMetricWrapper):
     def __init__(self, name: str = "sparse_categorical_accuracy") -> None:
         super().__init__(sparse_categorical_accuracy, name)
 
+    def _values(self, y_true: Any, y_pred: Any) -> torch.Tensor:
+        return _sparse_categorical_matches(y_true, y_pred)
+
 
 class CategoricalAccuracy(MeanMetricWrapper):
     """How often the argmax of y_pred is the argmax of the one-hot y_true."""
 
     def __init__(self, name: str = "categorical_accuracy") -> None:
         super().__init__(categorical_accuracy, name)
+
+    def _values(self, y_true: Any, y_pred: Any) -> torch.Tensor:
+        return _categorical_matches(y_true, y_pred)
 
 
 class BinaryAccuracy(MeanMetricWrapper):
@@ -246,6 +281,9 @@ class BinaryAccuracy(MeanMetricWrapper):
 
     def _matches(self, y_true: Any, y_pred: Any) -> torch.Tensor:
         return binary_accuracy(y_true, y_pred, self.threshold)
+
+    def _values(self, y_true: Any, y_pred: Any) -> torch.Tensor:
+        return _binary_matches(y_true, y_pred, self.threshold)
 
 
 _EXACT = torch.float64  # regression metrics compute their values in float64 too
@@ -273,10 +311,11 @@ class MeanAbsoluteError(MeanMetricWrapper):
         super().__init__(_absolute_error, name)
 
 
+# Each kind's matches, as booleans.
 _ACCURACY_KINDS: dict[str, Callable[[Any, Any], torch.Tensor]] = {
-    "binary": binary_accuracy,
-    "sparse_categorical": sparse_categorical_accuracy,
-    "categorical": categorical_accuracy,
+    "binary": _binary_matches,
+    "sparse_categorical": _sparse_categorical_matches,
+    "categorical": _categorical_matches,
 }
 
 

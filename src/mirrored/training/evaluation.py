@@ -16,14 +16,18 @@ from mirrored.callbacks.callback import CallbackList
 from mirrored.training.loop import LocalBatches
 from mirrored.training.metric_set import MetricSet
 from mirrored.training.steps import Steps
-from mirrored.values import ReduceOp, map_structure
+from mirrored.values import PerReplica, ReduceOp, map_structure
 
 __all__ = ["batch_logs", "merge", "predict_only", "run_evaluate", "run_predict"]
 
 
 def merge(strategy: Any, metrics: MetricSet, state: Any) -> None:
-    """Add the replicas' partial sums to the metrics, where they are (no host copy)."""
-    metrics.merge(strategy.reduce(ReduceOp.SUM, state, axis=None))
+    """Add the replicas' partial sums to the metrics, where they are (no host copy). One
+    replica's sums are the total already: no reduce, which would copy them to the strategy's
+    first device."""
+    if strategy.num_replicas_in_sync > 1 or isinstance(state, PerReplica):
+        state = strategy.reduce(ReduceOp.SUM, state, axis=None)
+    metrics.merge(state)
 
 
 def batch_logs(
