@@ -71,6 +71,17 @@ def floating_dtype(module: Any) -> torch.dtype:
     return torch.float32
 
 
+def _placement(module: Any) -> tuple[torch.device, torch.dtype]:
+    """The device of the module's first parameter (the CPU without one) and its
+    ``floating_dtype``, in one pass over the parameters."""
+    device = None
+    for parameter in module.parameters():
+        device = parameter.device if device is None else device
+        if parameter.is_floating_point():
+            return device, parameter.dtype
+    return device or torch.device("cpu"), torch.float32
+
+
 def cast_images(x: Any, dtype: torch.dtype) -> Any:
     """uint8 inputs (images) as ``dtype``, the model's floating dtype, as Keras casts inputs to
     its model's dtype; inputs of other integer dtypes (token ids, int64) stay as they are."""
@@ -148,25 +159,25 @@ def targets_of(x: Any, y: Any, sample_weight: Any, shifted: bool = False) -> Tar
 
 @dataclasses.dataclass
 class ShardLoss:
-    """A replica's loss on its shard: the sum of its examples' losses (a compiled loss), or the
-    model's own loss, a mean over ``count`` elements (``compile(loss=None)``)."""
+    """A replica's loss on its shard: its examples' losses (a compiled loss), or the model's own
+    loss, a mean over ``count`` elements (``compile(loss=None)``)."""
 
-    value: torch.Tensor
-    count: torch.Tensor | int  # the examples summed, or the elements the model averaged
+    value: torch.Tensor  # one loss per example, or the model's mean
+    count: torch.Tensor | int  # the examples, or the elements the model averaged
     is_mean: bool
 
     def scaled(self, global_batch_size: int) -> torch.Tensor:
         """This replica's part of the global batch's mean loss, through a scaling helper."""
         if self.is_mean:
             return scale_shard_mean(self.value, self.count)
-        return compute_average_loss(self.value.reshape(1), global_batch_size=global_batch_size)
+        return compute_average_loss(self.value, global_batch_size=global_batch_size)
 
     def total(self) -> torch.Tensor:
         """The loss summed over the shard, detached, in float64 (0 for a shard with nothing
-        to average, whose mean is NaN)."""
-        value = self.value.detach().double().reshape(())
+        to average, whose mean is NaN); the same sum as ``scaled``'s."""
         if not self.is_mean:
-            return value
+            return self.value.detach().sum().double()
+        value = self.value.detach().double().reshape(())
         count = torch.as_tensor(self.count, device=value.device)
         return torch.where(count > 0, value * count, torch.zeros_like(value))
 
@@ -224,9 +235,7 @@ class Steps:
         return float(self.schedule.learning_rate_at(iteration // accumulation))
 
     def _device(self) -> torch.device:
-        for parameter in self.module.parameters():
-            return parameter.device
-        return torch.device("cpu")
+        return _placement(self.module)[0]
 
     def _autocast(self, device: torch.device) -> AbstractContextManager[Any]:
         dtype = PRECISIONS[self.precision]
@@ -235,9 +244,9 @@ class Steps:
         return torch.autocast(device_type=device.type, dtype=dtype)
 
     def _forward(self, batch: tuple[Any, Any, Any]) -> tuple[Any, Any, Any, Any]:
-        device = self._device()
+        device, dtype = _placement(self.module)
         x, y, sample_weight = to_device(batch, device)
-        x = cast_images(x, floating_dtype(self.module))
+        x = cast_images(x, dtype)
         with self._autocast(device):
             y_pred = call_module(self.module, x)
         return x, y, sample_weight, y_pred
@@ -272,7 +281,7 @@ class Steps:
         if targets.sample_weight is not None:
             values = values * broadcast_weight(targets.sample_weight, values)
         per_example = values if values.dim() == 1 else values.flatten(1).mean(dim=1)
-        return ShardLoss(per_example.sum(), count, is_mean=False)
+        return ShardLoss(per_example, count, is_mean=False)
 
     def _batch_state(self, loss: ShardLoss, targets: Targets, y_pred: Any) -> torch.Tensor:
         return self.metrics.batch_state(
