@@ -45,6 +45,8 @@ def to_tensor(value: Any, name: str, device: torch.device | None = None) -> torc
 def at_least(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``tensor`` as a float of at least ``dtype``'s precision: float16 / bfloat16 predictions of
     mixed precision are cast up, so the loss itself stays accurate."""
+    if tensor.dtype == dtype:  # the common case, without promote_types' dispatch
+        return tensor
     return tensor.to(torch.promote_types(tensor.dtype, dtype))
 
 
