@@ -410,3 +410,10 @@ def test_on_cuda_calls_after_the_first_never_wait_for_the_device():
         losses.MeanSquaredError()(one_hot, logits, sample_weight=weights)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("returned", [torch.tensor(1.5), 1.5], ids=["0-dim", "float"])
+def test_a_loss_function_that_does_not_give_one_loss_per_example_is_refused(returned):
+    wrapped = losses.LossFunctionWrapper(lambda y_true, y_pred: returned, name="mean_loss")
+    with pytest.raises(ValueError, match=r"loss function 'mean_loss' returned .*one loss per"):
+        wrapped(torch.ones(4, 2), torch.zeros(4, 2))

@@ -325,3 +325,10 @@ def test_on_cuda_batch_state_never_waits_for_the_device():
     metric.merge_state(torch.zeros(2, dtype=torch.float64))  # a CPU state joins the device's
     assert metric.state.device.type == "cuda"
     assert 0.0 <= metric.result() <= 1.0
+
+
+@pytest.mark.parametrize("returned", [torch.tensor(0.5), 0.5], ids=["0-dim", "float"])
+def test_a_metric_function_that_does_not_give_one_value_per_example_is_refused(returned):
+    metric = metrics.MeanMetricWrapper(lambda y_true, y_pred: returned, name="mean_gap")
+    with pytest.raises(ValueError, match=r"metric function 'mean_gap' returned .*one value per"):
+        metric.update_state(torch.ones(4, 2), torch.zeros(4, 2))

@@ -19,6 +19,7 @@ from mirrored.loss_shapes import (
     at_least,
     broadcast_weight,
     mean_last,
+    per_example_values,
     same_shape_pair,
     shape_of,
     squared_error,
@@ -301,11 +302,8 @@ class LossFunctionWrapper(Loss):
             y_true, y_pred = align_ranks(y_true, y_pred)
             if y_pred.is_floating_point():
                 y_pred = at_least(y_pred, torch.float32)
-        values = self.fn(y_true, y_pred)
-        if not isinstance(values, torch.Tensor) or values.dim() == 0:
-            received = "a 0-dim tensor" if isinstance(values, torch.Tensor) else repr(values)
-            raise ValueError(
-                f"loss function {self.name!r} returned {received}; it must return one loss per "
-                "example (reduction='none'), a tensor of shape [batch, ...]"
-            )
-        return values
+        return per_example_values(
+            self.fn(y_true, y_pred),
+            f"loss function {self.name!r}",
+            "one loss per example (reduction='none'), a tensor of shape [batch, ...]",
+        )

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "per_example_values",
     "absolute_error",
     "align_ranks",
     "aligned_pair",
@@ -126,3 +127,12 @@ def broadcast_weight(sample_weight: Any, values: torch.Tensor) -> torch.Tensor:
             f"one per element (shape {shape_of(values)})"
         )
     return weight.reshape(*weight.shape, *([1] * (values.dim() - weight.dim())))
+
+
+def per_example_values(values: Any, what: str, expected: str) -> torch.Tensor:
+    """``values`` from a loss or metric function, refused unless there is one per example:
+    ``what`` names the function, ``expected`` says what it must return."""
+    if not isinstance(values, torch.Tensor) or values.dim() == 0:
+        received = "a 0-dim tensor" if isinstance(values, torch.Tensor) else repr(values)
+        raise ValueError(f"{what} returned {received}; it must return {expected}")
+    return values

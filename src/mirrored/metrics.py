@@ -24,6 +24,7 @@ from mirrored.loss_shapes import (
     absolute_error,
     aligned_pair,
     broadcast_weight,
+    per_example_values,
     same_shape_pair,
     shape_of,
     squared_error,
@@ -181,14 +182,12 @@ class MeanMetricWrapper(_WeightedMean):
 
     def batch_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> torch.Tensor:
         with torch.no_grad():
-            values = self._values(y_true, y_pred)
-            if not isinstance(values, torch.Tensor) or values.dim() == 0:
-                received = "a 0-dim tensor" if isinstance(values, torch.Tensor) else repr(values)
-                raise ValueError(
-                    f"metric function {self.name!r} returned {received}; it must return one "
-                    "value per example, a tensor of shape [batch, ...], so that the replicas' "
-                    "shards add up exactly"
-                )
+            values = per_example_values(
+                self._values(y_true, y_pred),
+                f"metric function {self.name!r}",
+                "one value per example, a tensor of shape [batch, ...], so that the replicas' "
+                "shards add up exactly",
+            )
             return _mean_state(values, sample_weight)
 
     def _values(self, y_true: Any, y_pred: Any) -> torch.Tensor:
