@@ -184,3 +184,23 @@ def test_the_default_store_is_the_process_group_s_and_a_missing_one_is_named(mon
     monkeypatch.delattr(torch.distributed.distributed_c10d, "_get_default_store")
     with pytest.raises(ImportError, match=r"distributed_c10d\._get_default_store, which mirrored"):
         _torch_internals.default_store()
+
+
+def test_a_queued_backward_callback_runs_once_the_backward_pass_ends():
+    seen = []
+    weight = torch.ones(3, requires_grad=True)
+
+    def on_grad(grad):
+        _torch_internals.queue_backward_callback(lambda: seen.append(weight.grad is not None))
+        seen.append("hook")
+        return grad
+
+    weight.register_hook(on_grad)
+    (weight * 2).sum().backward()
+    assert seen == ["hook", True]  # after the hook, once the gradient is in place
+
+
+def test_torch_s_batch_norm_layers_share_the_base_mirrored_extends():
+    for layer in (torch.nn.BatchNorm1d(2), torch.nn.BatchNorm2d(2), torch.nn.SyncBatchNorm(2)):
+        assert isinstance(layer, _torch_internals.BatchNormBase)
+    assert not isinstance(torch.nn.LayerNorm(2), _torch_internals.BatchNormBase)

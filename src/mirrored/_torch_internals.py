@@ -27,8 +27,10 @@ from types import CodeType, FrameType, FunctionType, ModuleType
 from typing import Any
 
 import torch
+from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase
 
 __all__ = [
+    "BatchNormBase",
     "PRIVATE_SAMPLERS",
     "TESTED_TORCH",
     "amp_unscale_and_check_",
@@ -43,6 +45,7 @@ __all__ = [
     "foreach_mul_",
     "is_functorch_wrapped",
     "outside_functorch",
+    "queue_backward_callback",
     "replace_checkpoint_implementations",
     "replace_gradient_readers",
     "rpc_agent_store",
@@ -134,6 +137,19 @@ foreach_mul_: Callable[..., None] = _required(
 )
 """``torch._foreach_mul_(tensors, factor)``: each tensor multiplied in place, in one kernel per
 device and dtype (what torch's own optimizers use for weight decay)."""
+
+queue_backward_callback: Callable[[Callable[[], None]], None] = _required(
+    getattr(torch.autograd.Variable, "_execution_engine", None),
+    "torch.autograd.Variable._execution_engine",
+    "queue_callback",
+    "reduce the last gradient buckets once a backward pass ends",
+)
+"""``torch.autograd.Variable._execution_engine.queue_callback(fn)``: run ``fn`` when the running
+backward pass ends (what DistributedDataParallel's reducer uses)."""
+
+# ``BatchNormBase`` (imported above): ``torch.nn.modules.batchnorm._BatchNorm``, the base of
+# BatchNorm1d/2d/3d and of torch's own SyncBatchNorm, which mirrored's sync batch norm also
+# extends and by which it recognises a batch-norm layer.
 
 disable_torch_function: Callable[[], AbstractContextManager[Any]] = getattr(
     torch._C, "DisableTorchFunction", nullcontext

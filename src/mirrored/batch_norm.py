@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
+from mirrored._torch_internals import BatchNormBase
 from mirrored.context import ReplicaContext, current_replica_context
 from mirrored.values import ReduceOp
 
@@ -89,7 +89,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         return dx, dweight, dbias, None, None, None, None, None
 
 
-class MirroredSyncBatchNorm(_BatchNorm):
+class MirroredSyncBatchNorm(BatchNormBase):
     """BatchNorm over the whole global batch of a mirrored step; plain BatchNorm elsewhere."""
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
@@ -130,7 +130,7 @@ def convert_sync_batch_norm(module: nn.Module, strategy: InProcessStrategy) -> n
             "backward of logical devices of one GPU runs on one autograd thread, where a "
             "cross-replica reduction would deadlock"
         )
-    if isinstance(module, _BatchNorm) and not isinstance(module, MirroredSyncBatchNorm):
+    if isinstance(module, BatchNormBase) and not isinstance(module, MirroredSyncBatchNorm):
         converted = MirroredSyncBatchNorm(
             module.num_features,
             module.eps,
@@ -154,7 +154,7 @@ def running_stat_buffers(module: nn.Module) -> list[torch.Tensor]:
     """The running statistics that per-replica BatchNorm updates differently on each replica."""
     buffers: list[torch.Tensor] = []
     for layer in module.modules():
-        if isinstance(layer, MirroredSyncBatchNorm) or not isinstance(layer, _BatchNorm):
+        if isinstance(layer, MirroredSyncBatchNorm) or not isinstance(layer, BatchNormBase):
             continue
         if layer.running_mean is not None and layer.running_var is not None:
             buffers += [layer.running_mean, layer.running_var]

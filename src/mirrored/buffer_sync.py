@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
+from mirrored._torch_internals import BatchNormBase
 from mirrored.values import ReduceOp, VariableAggregation
 
 if TYPE_CHECKING:
@@ -198,7 +198,7 @@ class BufferSync:
             self._chosen(index) is not None
             or tensor.is_floating_point()
             or tensor.is_complex()
-            or (isinstance(owner, _BatchNorm) and local == "num_batches_tracked")
+            or (isinstance(owner, BatchNormBase) and local == "num_batches_tracked")
             or name in self._warned
         ):
             return

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from mirrored._torch_internals import will_engine_execute_node
+from mirrored._torch_internals import queue_backward_callback, will_engine_execute_node
 from mirrored.bucketing import plan_gradient_buckets
 from mirrored.wire_compression import bucket_compressor
 
@@ -183,9 +183,7 @@ class OverlappedGradientReducer:
             return None  # a local SGD update uses this replica's own gradient
         if not self._in_pass[r]:
             self._in_pass[r] = True
-            torch.autograd.Variable._execution_engine.queue_callback(
-                functools.partial(self.finish_pass, r)
-            )
+            queue_backward_callback(functools.partial(self.finish_pass, r))
         param = self._params[r][i]
         held = self._holding(r) and param.grad is not None
         fresh = param.grad is None or held
