@@ -146,7 +146,7 @@ from torch import nn
 
 import mirrored
 from mirrored import config
-from mirrored.bucketing import plan_buckets
+from mirrored.comm.bucketing import plan_buckets
 
 Batch = tuple[torch.Tensor, ...]
 Record = dict[str, Any]
@@ -870,7 +870,7 @@ def gradient_tensor_bytes(name: str) -> list[int]:
 
 def mirrored_bucket_bytes(name: str) -> list[int]:
     """The multi-worker reducer's buckets: its own plan with its defaults, each bucket's counts
-    (one float per parameter) included (src/mirrored/gradient_reducer.py)."""
+    (one float per parameter) included (src/mirrored/replication/gradient_reducer.py)."""
     params = [p for p in SPECS[name].workload.make_model().parameters() if p.requires_grad]
     ready = list(reversed(params))
     plan = plan_buckets(

@@ -149,7 +149,7 @@ def launch_once(root: Path, kill_at: float | None, rank: int) -> Run:
     out, backup, temp = root / "out", root / "backup", root / "tmp"
     for folder in (out, temp):
         folder.mkdir(parents=True)
-    command = [sys.executable, "-m", "mirrored.launch", "--nproc-per-node", "2"]
+    command = [sys.executable, "-m", "mirrored.launch.launcher", "--nproc-per-node", "2"]
     command += ["--max-restarts", str(_MAX_RESTARTS), __file__, "train", str(out), str(backup)]
     # torch keeps its compiler's cache in the temporary directory by design: elsewhere here.
     cache = root.parent / "torchinductor-cache"

@@ -100,8 +100,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import mirrored
-from mirrored.gradient_reducer import OverlappedGradientReducer
-from mirrored.worker_group import PendingCollective
+from mirrored.comm.worker_group import PendingCollective
+from mirrored.replication.gradient_reducer import OverlappedGradientReducer
 
 Batch = tuple[torch.Tensor, ...]
 WORLD_SIZE = 2

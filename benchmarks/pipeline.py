@@ -63,7 +63,7 @@ from torch import nn
 
 import mirrored
 from mirrored import config
-from mirrored.pipeline_executor import StageTimeline
+from mirrored.pipeline.executor import StageTimeline
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 SCHEDULES = ("gpipe", "1f1b")

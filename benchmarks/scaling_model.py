@@ -62,7 +62,7 @@ __all__ = [
 ]
 
 # DistributedDataParallel's defaults (first_bucket_bytes_cap, bucket_cap_mb); mirrored's gradient
-# reducer uses the same (src/mirrored/multi_worker.py).
+# reducer uses the same (src/mirrored/strategies/multi_worker.py).
 DDP_FIRST_BUCKET_BYTES = 1 << 20
 DDP_BUCKET_BYTES = 25 << 20
 

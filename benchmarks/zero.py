@@ -3,8 +3,8 @@
 Every setting trains overhead.py's MLP (784-512-512-10, ReLU) with Adam (lr 1e-3) on the same
 synthetic float32 global batches (fixed seed, global batch ``--batch-size``), with the strategy's
 ``zero_stage`` 0 (off: every replica keeps the whole optimizer state), 1 (each parameter's owner
-alone keeps its state and updates it; the updated parameters are all-gathered) and 2 (the
-gradients are reduce-scattered at ``optimizer.step()`` too; see ``mirrored.zero_redundancy``):
+alone keeps its state and updates it; the updated parameters are all-gathered) and 2 (the gradients
+are reduce-scattered at ``optimizer.step()`` too; see ``mirrored.replication.zero_redundancy``):
 
 - ``2 devices``, ``4 devices``: ``MirroredStrategy`` on 2 and 4 logical CPU devices of this
   process (``config.set_logical_device_configuration``; the replicas share the cores,

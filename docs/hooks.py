@@ -2,7 +2,7 @@
 
 - ``benchmarks/RESULTS.md`` and the benchmarks' PNG charts go into the site from where the
   benchmarks write them, so no copy can go stale.
-- Sphinx roles in docstrings (``:mod:`mirrored.powersgd```), which Markdown leaves as text
+- Sphinx roles in docstrings (``:mod:`mirrored.comm.powersgd```), which Markdown leaves as text
   before the code span, are reduced to the code span.
 """
 

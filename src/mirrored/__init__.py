@@ -12,54 +12,54 @@ from typing import Any
 
 from mirrored import callbacks, checkpoint, config, losses, metrics, optimizers, partitioners
 from mirrored._torch_internals import warn_if_untested_torch as _warn_if_untested_torch
-from mirrored.activation_checkpoint import activation_checkpoint_contexts
-from mirrored.buffer_sync import BufferAggregationWarning, set_buffer_aggregation
-from mirrored.cluster_resolver import (
+from mirrored.cluster.resolvers import (
     ClusterResolver,
     TFConfigClusterResolver,
     TorchrunClusterResolver,
 )
-from mirrored.context import (
+from mirrored.comm.cross_device_ops import (
+    CrossDeviceOps,
+    HierarchicalCopyAllReduce,
+    NcclAllReduce,
+    ReductionToOneDevice,
+)
+from mirrored.comm.powersgd import PowerSGD
+from mirrored.core.context import (
     ReplicaContext,
     get_replica_context,
     get_strategy,
     has_strategy,
     in_cross_replica_context,
 )
-from mirrored.cross_device_ops import (
-    CrossDeviceOps,
-    HierarchicalCopyAllReduce,
-    NcclAllReduce,
-    ReductionToOneDevice,
-)
-
-# Imported for its effect: it names the strategy in effect outside any scope.
-from mirrored.default_strategy import default_strategy as _default_strategy  # noqa: F401
+from mirrored.core.rendezvous import ReplicaAbortedError, SyncMismatchError, SyncTimeoutError
+from mirrored.core.strategy import Strategy
+from mirrored.core.values import PerReplica, ReduceOp, VariableAggregation
 from mirrored.input import DistributedDataset, InputContext, InputOptions, ValueContext
-from mirrored.load_balancing import LoadBalancing
-from mirrored.local_sgd import LocalSGD
-from mirrored.loss_scaling import (
+from mirrored.input.load_balancing import LoadBalancing
+from mirrored.pipeline.split import balance_by_time
+from mirrored.random.activation_checkpoint import activation_checkpoint_contexts
+from mirrored.replication.buffer_sync import BufferAggregationWarning, set_buffer_aggregation
+from mirrored.replication.local_sgd import LocalSGD
+from mirrored.replication.loss_scaling import (
     LossScalingWarning,
     compute_average_loss,
     compute_weighted_average_loss,
     scale_regularization_loss,
     scale_shard_mean,
 )
-from mirrored.mirrored_module import MirroredModule
-from mirrored.mirrored_optimizer import MirroredOptimizer
-from mirrored.mirrored_strategy import MirroredStrategy
-from mirrored.multi_worker import (
+from mirrored.replication.mirrored_module import MirroredModule
+from mirrored.replication.mirrored_optimizer import MirroredOptimizer
+
+# Imported for its effect: it names the strategy in effect outside any scope.
+from mirrored.strategies.default import default_strategy as _default_strategy  # noqa: F401
+from mirrored.strategies.mirrored import MirroredStrategy
+from mirrored.strategies.multi_worker import (
     CommunicationImplementation,
     CommunicationOptions,
     MultiWorkerMirroredStrategy,
 )
-from mirrored.pipeline import PipelinedModule, PipelinedOptimizer, PipelineStrategy
-from mirrored.pipeline_split import balance_by_time
-from mirrored.powersgd import PowerSGD
-from mirrored.rendezvous import ReplicaAbortedError, SyncMismatchError, SyncTimeoutError
-from mirrored.strategy_contract import Strategy
+from mirrored.strategies.pipeline import PipelinedModule, PipelinedOptimizer, PipelineStrategy
 from mirrored.training import Model
-from mirrored.values import PerReplica, ReduceOp, VariableAggregation
 
 __version__ = "0.1.0"
 
@@ -124,8 +124,8 @@ __all__ = [
 
 # Built on torch.distributed.rpc, which some builds of torch lack: imported when first used.
 _ON_FIRST_USE = {
-    "ClusterCoordinator": "mirrored.cluster_coordinator",
-    "ParameterServerStrategy": "mirrored.parameter_server",
+    "ClusterCoordinator": "mirrored.coordinator.cluster_coordinator",
+    "ParameterServerStrategy": "mirrored.strategies.parameter_server",
 }
 
 

@@ -165,7 +165,8 @@ def caller_frame(depth: int) -> FrameType:
     return sys._getframe(depth + 1)
 
 
-# -- random ops (mirrored.random_routing, mirrored.cpu_random_kernels, mirrored.step_seeds) -----
+# -- random ops (mirrored.random.routing, mirrored.random.cpu_kernels, mirrored.random.step_seeds)
+# -----
 
 # torch's samplers behind its distributions that are not in its public namespace: Gamma (and so
 # Beta and Chi2) and Dirichlet sampling; those this torch has.
@@ -257,7 +258,8 @@ def safe_softmax(scores: torch.Tensor, dim: int) -> torch.Tensor:
     return _safe_softmax(scores, dim)
 
 
-# -- torch.distributed's process group (mirrored.worker_group) ----------------------------------
+# -- torch.distributed's process group (mirrored.comm.worker_group)
+# ----------------------------------
 
 
 def default_store() -> Any:
@@ -275,7 +277,8 @@ def default_store() -> Any:
     )()
 
 
-# -- torch.utils.checkpoint and torch.nn.utils.clip_grad (mirrored.torch_compat) ---------------
+# -- torch.utils.checkpoint and torch.nn.utils.clip_grad (mirrored.random.torch_compat)
+# ---------------
 
 
 def _parameters(function: Any) -> list[str]:
@@ -368,7 +371,8 @@ def replace_gradient_readers(module: Any, wrap: GradientReaderWrap) -> None:
     module._clip_grads_with_norm_ = wrap(module._clip_grads_with_norm_, lambda params: params)
 
 
-# -- torch.distributed.elastic (mirrored.launch) ----------------------------------------------
+# -- torch.distributed.elastic (mirrored.launch.launcher)
+# ----------------------------------------------
 
 
 @functools.cache
@@ -391,7 +395,7 @@ def elastic_worker_processes(agent: Any) -> Any:
     return getattr(agent, "_pcontext", None) if _elastic_agent_recognised() else None
 
 
-# -- the elastic agent's monitoring, the RPC group's record (mirrored.launch_agent, rpc_cluster) --
+# -- the elastic agent's monitoring, the RPC group's record (mirrored.launch.agent, rpc_cluster) --
 
 
 @functools.cache

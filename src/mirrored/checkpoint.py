@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from mirrored.state_checks import check_module_state, first_non_finite
+from mirrored.core.state_checks import check_module_state, first_non_finite
 
 __all__ = [
     "all_finite",

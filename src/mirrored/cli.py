@@ -2,7 +2,7 @@
 
     mirrored devices                       list physical and logical devices
     mirrored train EXAMPLE [flags]         run one of the users' programs (mirrored.examples)
-    mirrored launch [flags] SCRIPT [args]  run SCRIPT in worker processes (mirrored.launch)
+    mirrored launch [flags] SCRIPT [args]  run SCRIPT in worker processes (mirrored.launch.launcher)
 
 ``mirrored train mnist_mlp --logical-devices 4`` trains the first article's model on four
 logical CPU devices; ``mirrored train EXAMPLE --help`` lists an example's flags.
@@ -15,7 +15,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from mirrored import config, launch
+from mirrored import config
+from mirrored.launch import launcher as launch
 
 __all__ = ["EXAMPLES", "main"]
 

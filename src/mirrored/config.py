@@ -7,7 +7,7 @@ first uses the device; changing it afterwards is an error, as in TensorFlow.
 
 A logical CPU device shares the host's cores with its siblings; a logical CUDA device owns a
 stream and, when it has a ``memory_limit``, a memory pool whose size is checked after each step
-(see :mod:`mirrored.device_runtime`).
+(see :mod:`mirrored.core.device_runtime`).
 """
 
 from __future__ import annotations

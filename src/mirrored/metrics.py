@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from mirrored import losses
-from mirrored.loss_classes import function_name
-from mirrored.loss_functions import name_key
-from mirrored.loss_shapes import (
+from mirrored.losses.classes import function_name
+from mirrored.losses.functions import name_key
+from mirrored.losses.shapes import (
     absolute_error,
     aligned_pair,
     broadcast_weight,

@@ -207,7 +207,7 @@ def _launch_problems(words: list[str]) -> list[str]:
     """``mirrored launch`` flags, parsed by the launcher's own parser, then the script's."""
     import argparse
 
-    from mirrored import launch
+    from mirrored.launch import launcher as launch
 
     parser = argparse.ArgumentParser(prog="mirrored launch", exit_on_error=False)
     launch.add_arguments(parser)

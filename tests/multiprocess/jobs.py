@@ -18,12 +18,14 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import mirrored
-from mirrored import config, same_host_all_reduce, worker_group, zero_redundancy
-from mirrored.cluster_resolver import resolve_cluster
-from mirrored.communicator import Communicator
-from mirrored.same_host_all_reduce import SameHostAllReduce
-from mirrored.values import PerReplica, ReduceOp
-from mirrored.wire_compression import bucket_compressor
+from mirrored import config
+from mirrored.cluster.resolvers import resolve_cluster
+from mirrored.comm import same_host_all_reduce, worker_group
+from mirrored.comm.communicator import Communicator
+from mirrored.comm.same_host_all_reduce import SameHostAllReduce
+from mirrored.comm.wire_compression import bucket_compressor
+from mirrored.core.values import PerReplica, ReduceOp
+from mirrored.replication import zero_redundancy
 from tests.multiprocess import parameter_server_jobs
 from tests.reference_loops import (
     OPTIMIZERS,

@@ -20,9 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import mirrored
-from mirrored.cluster_coordinator import ClusterCoordinator, ScheduledFunctionError
-from mirrored.parameter_server import ParameterServerStrategy
+from mirrored.coordinator.cluster_coordinator import ClusterCoordinator, ScheduledFunctionError
 from mirrored.partitioners import FixedShardsPartitioner
+from mirrored.strategies.parameter_server import ParameterServerStrategy
 
 BATCH = 32
 

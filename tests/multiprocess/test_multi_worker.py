@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import mirrored
-from mirrored.sharded_update import state_bytes
+from mirrored.replication.sharded_update import state_bytes
 from tests.multiprocess.jobs import compile_mlp, fit_data, shuffled_loader
 from tests.multiprocess.spawn import (
     assert_all_succeeded,

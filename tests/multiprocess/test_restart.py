@@ -29,7 +29,7 @@ def _launch(out: Path, backup_dir: Path) -> subprocess.Popen[str]:
     env = worker_env(0, 1, 0, 1, "torchrun")
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name)
-    command = [sys.executable, "-m", "mirrored.launch", "--nproc-per-node", "2"]
+    command = [sys.executable, "-m", "mirrored.launch.launcher", "--nproc-per-node", "2"]
     command += ["--max-restarts", "3", str(REPO / "tests" / "multiprocess" / "jobs.py")]
     return start_process([*command, "backup", str(out), str(backup_dir)], env).process
 

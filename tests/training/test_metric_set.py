@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mirrored import metrics
-from mirrored.default_strategy import default_strategy
+from mirrored.strategies.default import default_strategy
 from mirrored.training.evaluation import merge
 from mirrored.training.metric_set import MetricSet
 

@@ -18,9 +18,10 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from mirrored import checkpoint, rng_state
+from mirrored import checkpoint
 from mirrored.callbacks.callback import Callback, Logs
 from mirrored.callbacks.save_frequency import SaveFrequency, SaveFrequencyHooks
+from mirrored.random import rng_state
 
 __all__ = ["BackupAndRestore"]
 

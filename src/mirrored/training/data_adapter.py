@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mirrored.values import flatten, map_structure
+from mirrored.core.values import flatten, map_structure
 
 __all__ = ["DataAdapter", "unpack_batch"]
 

@@ -13,10 +13,10 @@ from typing import Any
 import torch
 
 from mirrored.callbacks.callback import CallbackList
+from mirrored.core.values import PerReplica, ReduceOp, map_structure
 from mirrored.training.loop import LocalBatches
 from mirrored.training.metric_set import MetricSet
 from mirrored.training.steps import Steps
-from mirrored.values import PerReplica, ReduceOp, map_structure
 
 __all__ = ["batch_logs", "merge", "predict_only", "run_evaluate", "run_predict"]
 

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from mirrored.core.values import map_structure
 from mirrored.training.steps import call_module, cast_images, floating_dtype, to_device
-from mirrored.values import map_structure
 
 __all__ = ["build", "has_lazy_parameters"]
 

@@ -24,11 +24,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from mirrored import checkpoint, context
+from mirrored import checkpoint
 from mirrored import optimizers as optimizers_module
 from mirrored.callbacks.callback import Callback, CallbackList
 from mirrored.callbacks.history import History
-from mirrored.mirror import MirroredModule, check_optimizer_params
+from mirrored.core import context
+from mirrored.replication.mirror import MirroredModule, check_optimizer_params
 from mirrored.training import arguments, evaluation, lazy_build, saved_state
 from mirrored.training.data_adapter import DataAdapter
 from mirrored.training.layers import Layer, find_layer, layer_table

@@ -34,17 +34,17 @@ import torch
 from torch import nn
 
 from mirrored.callbacks.backup_and_restore import BackupAndRestore
-from mirrored.cluster_coordinator import ClusterCoordinator, RemoteValue
-from mirrored.default_strategy import default_strategy
+from mirrored.coordinator.cluster_coordinator import ClusterCoordinator, RemoteValue
+from mirrored.core.values import flatten, map_structure
 from mirrored.input import InputContext
-from mirrored.parameter_server import ParameterServerStrategy
+from mirrored.strategies.default import default_strategy
+from mirrored.strategies.parameter_server import ParameterServerStrategy
 from mirrored.training.data_adapter import DataAdapter, _is_array_structure, unpack_batch
 from mirrored.training.lazy_build import has_lazy_parameters
 from mirrored.training.loop import FitRequest, FitRun
 from mirrored.training.loss_scale import LossScale
 from mirrored.training.saved_state import ModelParts
 from mirrored.training.steps import Steps
-from mirrored.values import flatten, map_structure
 
 __all__ = ["ParameterServerLoop", "train_step"]
 

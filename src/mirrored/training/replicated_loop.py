@@ -17,9 +17,10 @@ from typing import Any
 
 from torch import nn
 
-from mirrored import checkpoint, rng_state
+from mirrored import checkpoint
 from mirrored.input import global_batch_size_of
-from mirrored.mirrored_module import MirroredModule
+from mirrored.random import rng_state
+from mirrored.replication.mirrored_module import MirroredModule
 from mirrored.training import saved_state
 from mirrored.training.data_adapter import DataAdapter
 from mirrored.training.evaluation import batch_logs, merge

@@ -2,7 +2,7 @@
 
 ``Model.load`` and ``BackupAndRestore`` restore the module, the optimizer, the learning-rate
 schedule, the step count and the loss scale together. Each part is checked against the model
-first (:mod:`mirrored.state_checks` for the module and the optimizer), so a state that does not
+first (:mod:`mirrored.core.state_checks` for the module and the optimizer), so a state that does not
 fit raises a ValueError naming the part and changes nothing. Weights that are not finite are
 never written, so that a checkpoint on disk is always one training can go on from.
 """
@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 
-from mirrored import parameter_server_checkpoint, state_checks
-from mirrored.state_checks import check_module_state, check_optimizer_state
+from mirrored.core import state_checks
+from mirrored.core.state_checks import check_module_state, check_optimizer_state
+from mirrored.parameter_server import checkpoint as parameter_server_checkpoint
 from mirrored.training.loss_scale import LossScale
 from mirrored.training.steps import Steps
 

@@ -29,12 +29,12 @@ import torch.nn.functional as F
 
 from mirrored import losses as losses_module
 from mirrored._torch_internals import amp_unscale_and_check_, code_of
-from mirrored.context import get_replica_context
+from mirrored.core.context import get_replica_context
+from mirrored.core.values import ReduceOp, flatten, map_structure
 from mirrored.input import batch_size_of
 from mirrored.losses import broadcast_weight, compute_average_loss, scale_shard_mean
 from mirrored.training.loss_scale import LossScale
 from mirrored.training.metric_set import MetricSet
-from mirrored.values import ReduceOp, flatten, map_structure
 
 __all__ = [
     "IGNORE_INDEX",

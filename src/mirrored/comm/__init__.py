@@ -1,0 +1,1 @@
+"""Moving tensors between replicas and workers: cross-device ops, buckets, the worker group."""

@@ -1,0 +1,1 @@
+"""The runtime every layer stands on: values, replica contexts, rendezvous, replica threads."""

@@ -1,0 +1,113 @@
+"""Distributing input: the contexts and options of TensorFlow's input API, and the public names.
+
+``InputContext`` tells an input function which part of the data to produce, ``InputOptions`` how a
+distributed dataset is read, ``ValueContext`` which replica a value is for. How batches become
+per-replica shards lives in :mod:`mirrored.input.batch_split`, the distributed datasets in
+:mod:`mirrored.input.distributed_dataset` and :mod:`mirrored.input.loader_parts`; this module
+gathers them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from mirrored.input.batch_split import (
+    PerReplicaShards,
+    batch_size_of,
+    global_batch_size_of,
+    shard_sizes,
+    split_batch,
+    stack_replica_batches,
+)
+from mirrored.input.distributed_dataset import (
+    DistributedDataset,
+    StepAgreement,
+    distribute_global_batches,
+    distribute_replica_batches,
+)
+from mirrored.input.loader_parts import (
+    distribute_loader_parts,
+    refuse_distributed_sampler,
+    shardable_loader,
+)
+
+__all__ = [
+    "DistributedDataset",
+    "InputContext",
+    "InputOptions",
+    "PerReplicaShards",
+    "StepAgreement",
+    "ValueContext",
+    "batch_size_of",
+    "distribute_global_batches",
+    "distribute_loader_parts",
+    "distribute_replica_batches",
+    "global_batch_size_of",
+    "prefetch_depth",
+    "refuse_distributed_sampler",
+    "shard_sizes",
+    "shardable_loader",
+    "split_batch",
+    "stack_replica_batches",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class InputContext:
+    """What an input pipeline needs to know to produce its part of the data (TensorFlow's)."""
+
+    num_input_pipelines: int = 1
+    input_pipeline_id: int = 0
+    num_replicas_in_sync: int = 1
+
+    def get_per_replica_batch_size(self, global_batch_size: int) -> int:
+        """The batch each replica gets; ``global_batch_size`` must divide evenly."""
+        if global_batch_size % self.num_replicas_in_sync:
+            raise ValueError(
+                f"global_batch_size={global_batch_size} is not divisible by "
+                f"num_replicas_in_sync={self.num_replicas_in_sync}"
+            )
+        return global_batch_size // self.num_replicas_in_sync
+
+
+@dataclasses.dataclass(frozen=True)
+class InputOptions:
+    """How a distributed dataset is read (TensorFlow's ``tf.distribute.InputOptions``).
+
+    Args:
+        experimental_per_replica_buffer_size: global batches read, split and copied to the
+            devices ahead of the training, on a background thread (:mod:`mirrored.input.prefetch`);
+            0 reads each when the loop asks for it. Off by default: a dataset that draws from
+            torch's global generator as it reads (random augmentation in the main process)
+            would draw from it concurrently with the training, in no fixed order.
+    """
+
+    experimental_per_replica_buffer_size: int = 0
+
+    def __post_init__(self) -> None:
+        size = self.experimental_per_replica_buffer_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise ValueError(
+                f"InputOptions(experimental_per_replica_buffer_size={size!r}): expected a whole "
+                "number >= 0 (0: no reading ahead)"
+            )
+
+
+def prefetch_depth(options: InputOptions | None) -> int:
+    """How many batches ``options`` reads ahead (a TypeError for anything but InputOptions)."""
+    if options is None:
+        return 0
+    if not isinstance(options, InputOptions):
+        raise TypeError(
+            f"options={options!r}: expected mirrored.InputOptions("
+            "experimental_per_replica_buffer_size=...)"
+        )
+    return options.experimental_per_replica_buffer_size
+
+
+@dataclasses.dataclass(frozen=True)
+class ValueContext:
+    """Passed to ``experimental_distribute_values_from_function``'s function."""
+
+    replica_id_in_sync_group: int = 0
+    num_replicas_in_sync: int = 1

@@ -1,0 +1,1 @@
+"""``mirrored launch``: starting and supervising a job's worker processes."""

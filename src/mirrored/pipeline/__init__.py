@@ -1,0 +1,1 @@
+"""Pipeline parallelism's pieces: cutting a model into stages, schedules, running them."""

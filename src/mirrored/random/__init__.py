@@ -1,0 +1,1 @@
+"""Per-replica random streams, the CPU kernels that draw from them, and their replay."""

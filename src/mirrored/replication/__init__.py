@@ -1,0 +1,1 @@
+"""Keeping replicas identical: mirrored modules and optimizers, gradient reduction, ZeRO."""

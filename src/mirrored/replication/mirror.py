@@ -1,0 +1,94 @@
+"""Mirroring a PyTorch module and its optimizer: one replica per device, kept identical.
+
+``strategy.mirror(model, optimizer)`` builds the replicas here and returns proxies: a
+:class:`~mirrored.replication.mirrored_module.MirroredModule` (inside ``strategy.run`` it resolves
+to the current replica; outside, to replica 0, the user's original module moved to the first device)
+and a :class:`~mirrored.replication.mirrored_optimizer.MirroredOptimizer`, whose ``step()`` inside a
+replica is the merge point of a step: the gradients of all replicas are summed and every replica
+ends the step with the same parameters. A run that fails midway resyncs every replica from replica
+0, so they never diverge.
+
+The pieces: :mod:`mirrored.replication.mirror_checks` (what is refused before mirroring),
+:mod:`mirrored.replication.mirrored_module`, :mod:`mirrored.replication.mirrored_optimizer` (on
+:mod:`mirrored.replication.replica_optimizers`, its ``torch.optim.Optimizer`` face) and
+:mod:`mirrored.replication.optimizer_routes` (torch's clipping, schedulers and scalers inside
+replicas).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from mirrored.replication.batch_norm import convert_sync_batch_norm, running_stat_buffers
+from mirrored.replication.mirror_checks import check_mirrorable, check_optimizer_params
+from mirrored.replication.mirror_features import NO_FEATURES, MirrorFeatures
+from mirrored.replication.mirrored_module import MIRRORED_BY, MirroredModule, tensors_of
+from mirrored.replication.mirrored_optimizer import MirroredOptimizer
+from mirrored.replication.optimizer_routes import holds_any
+from mirrored.replication.sharded_update import load_own_copy
+
+if TYPE_CHECKING:
+    from mirrored.strategies.in_process import InProcessStrategy
+
+__all__ = [
+    "MirroredModule",
+    "MirroredOptimizer",
+    "check_optimizer_params",
+    "holds_any",
+    "mirror_module",
+    "replicate_optimizer",
+    "tensors_of",
+]
+
+
+def replicate_optimizer(
+    optimizer: torch.optim.Optimizer, mapping: dict[int, nn.Parameter]
+) -> torch.optim.Optimizer:
+    """A copy of ``optimizer`` over other parameters (``mapping``: id of original -> new)."""
+    memo: dict[int, Any] = dict(mapping)
+    replica = copy.deepcopy(optimizer, memo)
+    # An LR scheduler wraps the original's bound step() in an instance attribute; the copy must
+    # use its own class method, not the original's.
+    replica.__dict__.pop("step", None)
+    load_own_copy(replica, optimizer.state_dict())
+    return replica
+
+
+def mirror_module(
+    strategy: InProcessStrategy,
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    sync_batch_norm: bool,
+    features: MirrorFeatures = NO_FEATURES,
+) -> Any:
+    """Build the replicas of ``module`` (and ``optimizer``) on ``strategy``'s devices; the
+    optimizer's updates have ``features`` (accumulation, local SGD, ZeRO...)."""
+    check_mirrorable(module, optimizer)
+    params = list(module.parameters())
+    if optimizer is not None:
+        check_optimizer_params(module, optimizer)
+    if sync_batch_norm:
+        module = convert_sync_batch_norm(module, strategy)
+    devices = strategy.torch_devices
+    first = module.to(devices[0])
+    replicas = [first] + [copy.deepcopy(first).to(d) for d in devices[1:]]
+    mirrored = MirroredModule(strategy, replicas, features)
+    strategy.track_replicated(mirrored)
+    MIRRORED_BY.register(mirrored)
+    if optimizer is None:
+        return mirrored
+    replica_params = [list(r.parameters()) for r in replicas]
+    optimizers = [optimizer] + [
+        replicate_optimizer(optimizer, {id(p): q for p, q in zip(params, rp, strict=True)})
+        for rp in replica_params[1:]
+    ]
+    running = [running_stat_buffers(r) for r in replicas]
+    mirrored_optimizer = MirroredOptimizer(strategy, optimizers, replica_params, running, features)
+    strategy.track_replicated(mirrored_optimizer)
+    mirrored._optimizers.add(mirrored_optimizer)
+    return mirrored, mirrored_optimizer

@@ -1,0 +1,134 @@
+"""The ``torch.optim.Optimizer`` face of N replicas' optimizers, one per replica.
+
+A mirrored optimizer is a ``torch.optim.Optimizer`` so that what takes one (torch's LR schedulers,
+hooks, ``repr``) takes it. This base class is that face: the hyperparameters and state are replica
+0's (the original optimizer's, which every replica takes at its next step), step hooks reach every
+replica's optimizer, and state-dict hooks are its own, since its ``state_dict()`` is not always
+replica 0's. What a step does is :mod:`mirrored.replication.mirrored_optimizer`'s.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from mirrored.replication.mirrored_module import ReplicaHandles
+
+__all__ = ["ReplicaOptimizers"]
+
+# The kinds of state-dict hooks a mirrored optimizer keeps (torch.optim.Optimizer's).
+_STATE_DICT_HOOKS = (
+    "state_dict_pre",
+    "state_dict_post",
+    "load_state_dict_pre",
+    "load_state_dict_post",
+)
+
+
+class ReplicaOptimizers(torch.optim.Optimizer):
+    """One optimizer per replica, shown as replica 0's (the original)."""
+
+    def __init__(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        # torch.optim.Optimizer.__init__ is not called: the replicas' optimizers hold the state.
+        # Its state-dict hooks are this optimizer's own (its state_dict() is not replica 0's
+        # with zero_stage, and the replicas' are read and loaded to resync them).
+        self._hooks: dict[str, OrderedDict[int, Callable[..., Any]]] = {
+            name: OrderedDict() for name in _STATE_DICT_HOOKS
+        }
+        self.optimizers = tuple(optimizers)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """Replica 0's optimizer: the original one; its hyperparameters drive every replica."""
+        return self.optimizers[0]
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        """The original optimizer's groups: change hyperparameters here (schedulers do)."""
+        return self.optimizers[0].param_groups
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        """The original optimizer's defaults."""
+        return self.optimizers[0].defaults
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        """Replica 0's per-parameter state (every replica holds the same; with ``zero_stage``
+        each holds its share: use ``state_dict()`` for all of it)."""
+        return self.optimizers[0].state
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refused: a group added to one replica's optimizer would update that replica only."""
+        raise TypeError(
+            "add_param_group() on a mirrored optimizer would reach replica 0 only; add the group "
+            "to the optimizer before strategy.mirror()"
+        )
+
+    def register_step_pre_hook(self, hook: Callable[..., Any]) -> ReplicaHandles:  # type: ignore[override]
+        """``hook`` on every replica's optimizer (called with that replica's optimizer)."""
+        return ReplicaHandles([o.register_step_pre_hook(hook) for o in self.optimizers])
+
+    def register_step_post_hook(self, hook: Callable[..., Any]) -> ReplicaHandles:  # type: ignore[override]
+        """``hook`` on every replica's optimizer (called with that replica's optimizer)."""
+        return ReplicaHandles([o.register_step_post_hook(hook) for o in self.optimizers])
+
+    def register_state_dict_pre_hook(
+        self, hook: Callable[..., Any], prepend: bool = False
+    ) -> RemovableHandle:
+        """``hook(optimizer)`` before each ``state_dict()`` of this mirrored optimizer."""
+        return self._register("state_dict_pre", hook, prepend)
+
+    def register_state_dict_post_hook(
+        self, hook: Callable[..., Any], prepend: bool = False
+    ) -> RemovableHandle:
+        """``hook(optimizer, state_dict)`` after each ``state_dict()``; a dict it returns is
+        the state dict."""
+        return self._register("state_dict_post", hook, prepend)
+
+    def register_load_state_dict_pre_hook(
+        self, hook: Callable[..., Any], prepend: bool = False
+    ) -> RemovableHandle:
+        """``hook(optimizer, state_dict)`` before each ``load_state_dict()``; a dict it returns
+        is loaded instead."""
+        return self._register("load_state_dict_pre", hook, prepend)
+
+    def register_load_state_dict_post_hook(
+        self, hook: Callable[..., Any], prepend: bool = False
+    ) -> RemovableHandle:
+        """``hook(optimizer)`` after each ``load_state_dict()`` (into every replica)."""
+        return self._register("load_state_dict_post", hook, prepend)
+
+    def _register(self, kind: str, hook: Callable[..., Any], prepend: bool) -> RemovableHandle:
+        hooks = self._hooks[kind]
+        handle = RemovableHandle(hooks)
+        hooks[handle.id] = hook
+        if prepend:
+            hooks.move_to_end(handle.id, last=False)
+        return handle
+
+    def _run_hooks(self, kind: str, *args: Any) -> Any:
+        """Each ``kind`` hook with this optimizer (and the state dict, which one may replace);
+        returns the state dict."""
+        state = args[0] if args else None
+        for hook in list(self._hooks[kind].values()):
+            result = hook(self, *([state] if args else []))
+            if result is not None:
+                state = result
+        return state
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        raise TypeError(
+            "a mirrored optimizer stands for N replicas' optimizers and cannot be copied; "
+            "save optimizer.state_dict()"
+        )
+
+    def __reduce__(self) -> Any:
+        raise TypeError("a mirrored optimizer cannot be pickled; save optimizer.state_dict()")
+
+    def __repr__(self) -> str:
+        return f"MirroredOptimizer(replicas={len(self.optimizers)}, optimizer={self.optimizer!r})"

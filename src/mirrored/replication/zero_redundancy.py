@@ -1,0 +1,363 @@
+"""ZeRO: each replica keeps the optimizer state of its share of the parameters only.
+
+Mirrored training holds N copies of everything, and the optimizer state (Adam's: twice the
+parameters) is the largest copy no replica needs whole. With ``zero_stage`` (MirroredStrategy and
+MultiWorkerMirroredStrategy) the parameters the optimizer holds, end to end, are cut into one range
+of nearly equal size per replica of every worker (:mod:`mirrored.replication.zero_plan`); only a
+range's owner steps it and keeps its state (:mod:`mirrored.replication.zero_storage`), so
+optimizer-state memory per replica is 1/N whatever the sizes of the tensors (one large embedding
+included).
+
+- Stage 1: gradients are reduced as without ZeRO (across workers while backward runs, so
+  clipping or unscaling before ``optimizer.step()`` sees the sums). Each owner updates its
+  ranges; in one process every replica then copies the others' ranges from their owners;
+  across workers each worker packs what its replicas own into its segment (one per dtype) and
+  all-gathers the segments a chunk at a time, so no staging buffer grows with the model.
+- Stage 2: gradients are reduce-scattered at ``optimizer.step()`` instead, in the same layout
+  and chunks: each worker sums its replicas' gradients, an all-to-all hands each worker its
+  own segment's range from every worker, summed in rank order; in one process each owner sums
+  its ranges over the replicas directly. Only owners keep a reduced gradient. This does not
+  lower the peak (backward still produces whole gradients on every replica) and gives up the
+  overlap with backward; reduce-scattering buckets from backward's hooks is what would.
+
+The update is the one every replica would have made (the same gradient sum, the same state) for
+optimizers whose update of a parameter is elementwise in that parameter, its gradient and its own
+state: torch's built-ins in ``PER_PARAMETER_OPTIMIZERS``. ``state_dict()`` is the plain
+single-optimizer one (:mod:`mirrored.replication.zero_state`); across workers that is a collective,
+so every worker calls it at the same point (``Model.save`` does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from mirrored.core.param_groups import hyperparameters
+from mirrored.core.state_checks import check_optimizer_state
+from mirrored.replication.sharded_update import (
+    PER_PARAMETER_OPTIMIZERS,
+    load_own_copy,
+    state_bytes,
+    step_owned,
+    sum_owned_gradients,
+)
+from mirrored.replication.zero_plan import Piece, describe_parameters, plan_zero
+from mirrored.replication.zero_state import (
+    consolidated_state,
+    dtype_name,
+    gather_state,
+    local_entries,
+    pieces_state,
+)
+from mirrored.replication.zero_storage import ShardStorage
+
+if TYPE_CHECKING:
+    from mirrored.comm.communicator import Communicator
+    from mirrored.core.context import ReplicaContext
+
+# What one gather or reduce-scatter across workers moves per worker at most: the staging
+# buffers are this times the worker count, not the parameters' size.
+_CHUNK_BYTES = 32 * 2**20
+
+__all__ = ["ZeroRedundancy", "check_zero_stage"]
+
+
+def check_zero_stage(zero_stage: int) -> int:
+    """``zero_stage`` if it is 0 (off), 1 or 2; a ValueError otherwise."""
+    if type(zero_stage) is not int or zero_stage not in (0, 1, 2):
+        raise ValueError(
+            f"zero_stage={zero_stage!r}: expected 0 (every replica keeps the whole optimizer "
+            "state), 1 (shard the optimizer state) or 2 (shard the gradients too)"
+        )
+    return zero_stage
+
+
+def _check_optimizer(stage: int, optimizer: torch.optim.Optimizer) -> None:
+    """A TypeError unless ``optimizer``'s update is elementwise (what makes owners exact)."""
+    if type(optimizer) not in PER_PARAMETER_OPTIMIZERS:
+        names = ", ".join(kind.__name__ for kind in PER_PARAMETER_OPTIMIZERS)
+        raise TypeError(
+            f"zero_stage={stage} needs an optimizer whose update of a parameter is "
+            f"elementwise in that parameter, its gradient and its own state (one of "
+            f"torch.optim's {names}); got {type(optimizer).__name__}. Use zero_stage=0 for it"
+        )
+
+
+class ZeroRedundancy:
+    """The optimizer state of one mirrored optimizer, sharded over every replica of every worker.
+
+    Args:
+        stage: 1 (optimizer state) or 2 (optimizer state and gradients).
+        optimizers: each local replica's optimizer (replica 0's is the user's).
+        params: each local replica's parameters, in the same order.
+        communicator: the strategy's: its worker layout places the owners, and its workers'
+            group (None in one process) carries the collectives across workers.
+    """
+
+    def __init__(
+        self,
+        stage: int,
+        optimizers: Sequence[torch.optim.Optimizer],
+        params: Sequence[Sequence[nn.Parameter]],
+        communicator: Communicator,
+    ) -> None:
+        _check_optimizer(stage, optimizers[0])
+        self.stage = stage
+        self.optimizers = list(optimizers)
+        self.params = [list(p) for p in params]
+        self._communicator = communicator
+        layout = communicator.layout
+        # _CHUNK_BYTES read now, not bound at import: the multi-process tests lower it.
+        parameters = describe_parameters(self.params[0], optimizers[0])
+        self.plan = plan_zero(
+            stage, parameters, layout.replicas_per_worker, layout.rank, _CHUNK_BYTES
+        )
+        self._storage = ShardStorage(self.plan, self.params, self.optimizers)
+        # Frozen parameters never change: they take no part (and must stay frozen).
+        self._frozen = [[replica[i] for i in self.plan.frozen] for replica in self.params]
+        self._has_grad: dict[int, bool] = {}
+        if optimizers[0].state:  # a state the user's optimizer already had: shard it
+            self.load_state_dict(optimizers[0].state_dict())
+
+    @property
+    def pieces(self) -> tuple[Piece, ...]:
+        """The pieces of the parameters, each owned by one replica (``plan.pieces``)."""
+        return self.plan.pieces
+
+    @property
+    def owners(self) -> tuple[int, ...]:
+        """Each piece's owner, a replica index over every worker (``plan.owners``)."""
+        return self.plan.owners
+
+    # -- the step ---------------------------------------------------------------------------------
+    def reduce_gradients(
+        self, replica: ReplicaContext, everyone: Sequence[Sequence[torch.Tensor | None]]
+    ) -> None:
+        """Stage 2: give each owned parameter and piece the sum of its gradient over every
+        replica of every worker and drop the other gradients (``everyone``: each local
+        replica's gradients)."""
+        r = replica.local_replica_id
+        self._check_frozen(r)
+        if self.plan.num_workers == 1:
+            self._sum_owned(r, everyone)
+        else:
+            if r == 0:
+                self._reduce_scatter(everyone)
+            replica.exchange.barrier("ZeRO: gradients reduce-scattered", cross_device=True)
+            self._take_scattered(r)
+        # Owners have read every peer's gradient: the rest is no replica's to keep.
+        replica.exchange.barrier("ZeRO: gradients read", cross_device=True)
+        whole = self.plan.shares[r].whole
+        for position in self.plan.positions:
+            if position not in whole:
+                self.params[r][position].grad = None
+
+    def _sum_owned(self, r: int, everyone: Sequence[Sequence[torch.Tensor | None]]) -> None:
+        """In one process: replica ``r``'s owned parameters and pieces get their gradients'
+        sums over the replicas, in replica order."""
+        sum_owned_gradients(self.params[r], self._storage.whole_ids[r], everyone)
+        for k, piece_param in self._storage.piece_params[r].items():
+            piece = self.plan.pieces[k]
+            parts = [g for grads in everyone if (g := grads[piece.position]) is not None]
+            piece_param.grad = _sum_range(
+                parts, piece.start, piece.start + piece.numel, piece_param.device
+            )
+
+    def _take_scattered(self, r: int) -> None:
+        """Across workers: replica ``r``'s owned parameters and pieces get their reduced
+        gradients from this worker's segments."""
+        owned = self.plan.shares[r].owned
+        for transfer, send in zip(self.plan.transfers, self._storage.sends, strict=True):
+            for k, local in transfer.worker_slots[self.plan.worker]:
+                piece = self.plan.pieces[k]
+                if k not in owned or not self._has_grad[piece.position]:
+                    continue
+                param = self.params[r][piece.position]
+                grad = send[local : local + piece.numel].to(param.device, copy=True)
+                if piece.whole:
+                    param.grad = grad.view_as(param)
+                else:
+                    self._storage.piece_params[r][k].grad = grad
+
+    def _check_frozen(self, r: int) -> None:
+        """A RuntimeError if a parameter frozen at ``strategy.mirror()`` has a gradient: it has
+        no owner, so it would never be updated."""
+        for param in self._frozen[r]:
+            if param.grad is not None:
+                raise RuntimeError(
+                    f"a parameter of shape {tuple(param.shape)} was frozen (requires_grad=False) "
+                    f"when the model was mirrored with zero_stage={self.stage} and has a gradient "
+                    "now; ZeRO shares out the trainable parameters at strategy.mirror(), so "
+                    "unfreeze before mirroring (or mirror the model again with a new optimizer)"
+                )
+
+    def _reduce_scatter(self, everyone: Sequence[Sequence[torch.Tensor | None]]) -> None:
+        """Sum the local replicas' gradients into the buffers, then every worker's into the
+        segment this worker owns (the storage's ``sends``), in rank order."""
+        plan, storage, num_workers = self.plan, self._storage, self.plan.num_workers
+        has = self._communicator.sum_across_workers(
+            [float(any(grads[i] is not None for grads in everyone)) for i in plan.positions],
+            "ZeRO: which parameters have gradients",
+        )
+        self._has_grad = dict(zip(plan.positions, (bool(c) for c in has), strict=True))
+        for li, transfer in enumerate(plan.transfers):
+            send, staging, received = storage.sends[li], storage.staging[li], storage.received[li]
+            for a, b in transfer.ranges():
+                n = b - a
+                outgoing = staging[: num_workers * n]
+                outgoing.zero_()
+                for w in range(num_workers):
+                    for k, lo, hi, at in transfer.parts(plan.pieces, w, a, b):
+                        position = plan.pieces[k].position
+                        parts = [g for grads in everyone if (g := grads[position]) is not None]
+                        total = _sum_range(parts, lo, hi, storage.device)
+                        if total is not None:
+                            outgoing[w * n + at : w * n + at + hi - lo].copy_(total)
+                incoming = received[: num_workers * n]
+                label = f"ZeRO: gradients ({dtype_name(transfer.layout.dtype)}, from {a})"
+                self._communicator.reduce_scatter_across_workers(
+                    outgoing, incoming, send[a:b], label
+                )
+
+    def step(self, replica: ReplicaContext) -> Any:
+        """Update the parameters and pieces this replica owns, then give every replica all of
+        them."""
+        r = replica.local_replica_id
+        self._check_frozen(r)
+        owned = self.plan.shares[r].owned
+        result = step_owned(self.optimizers[r], self._storage.whole_ids[r])
+        self._step_pieces(r)
+        with torch.no_grad():
+            if self.plan.num_workers == 1:
+                replica.exchange.barrier("ZeRO: parameters updated", cross_device=True)
+                for k, owner in enumerate(self.plan.owners):
+                    if k not in owned:
+                        self._storage.copy_piece(owner - self.plan.first_replica, r, k)
+                return result
+            for transfer, send in zip(self.plan.transfers, self._storage.sends, strict=True):
+                for k, local in transfer.worker_slots[self.plan.worker]:
+                    if k in owned:
+                        send[local : local + self.plan.pieces[k].numel].copy_(
+                            self._storage.flat(r, k)
+                        )
+            replica.exchange.barrier("ZeRO: updated parameters packed", cross_device=True)
+            if r == 0:
+                self._gather_parameters()
+            replica.exchange.barrier("ZeRO: parameters gathered", cross_device=True)
+        return result
+
+    def _gather_parameters(self) -> None:
+        """Every worker's segments, a chunk at a time, into every local replica's parameters
+        (by local replica 0, while the others wait)."""
+        plan, num_workers = self.plan, self.plan.num_workers
+        for li, transfer in enumerate(plan.transfers):
+            send, staging = self._storage.sends[li], self._storage.staging[li]
+            for a, b in transfer.ranges():
+                n = b - a
+                gathered = staging[: num_workers * n]
+                label = f"ZeRO: parameters ({dtype_name(transfer.layout.dtype)}, from {a})"
+                self._communicator.all_gather_across_workers(gathered, send[a:b], label)
+                for w in range(num_workers):
+                    for k, lo, hi, at in transfer.parts(plan.pieces, w, a, b):
+                        values = gathered[w * n + at : w * n + at + hi - lo]
+                        for r, share in enumerate(plan.shares):
+                            if k not in share.owned:
+                                self._storage.write_range(r, k, lo, hi, values)
+
+    def resync(self) -> None:
+        """After a run that failed midway: give every local replica each owner's values of the
+        ranges it owns (which go with the owner's optimizer state, whether or not its update
+        ran), and leave no piece a gradient. Ranges owned by other workers are not reachable
+        here; a failed worker group is restarted from a checkpoint anyway."""
+        local = range(len(self.params))
+        with torch.no_grad():
+            for k, owner in enumerate(self.plan.owners):
+                source = owner - self.plan.first_replica
+                if source in local:
+                    for r in local:
+                        if r != source:
+                            self._storage.copy_piece(source, r, k)
+        for pieces in self._storage.piece_params:
+            for piece_param in pieces.values():
+                piece_param.grad = None
+
+    def _step_pieces(self, r: int) -> None:
+        """Step replica ``r``'s pieces with the hyperparameters its optimizer has now (at stage
+        1 their gradients are ranges of the reduced ones)."""
+        optimizer = self._storage.piece_optimizers[r]
+        if optimizer is None:
+            return
+        groups = self.plan.shares[r].piece_groups
+        for piece_group, group in zip(optimizer.param_groups, groups, strict=True):
+            piece_group.update(hyperparameters(self.optimizers[r].param_groups[group.param_group]))
+        pieces = self._storage.piece_params[r]
+        if self.stage == 1:
+            for k, piece_param in pieces.items():
+                piece = self.plan.pieces[k]
+                grad = self.params[r][piece.position].grad
+                piece_param.grad = (
+                    None
+                    if grad is None
+                    else grad.reshape(-1)[piece.start : piece.start + piece.numel]
+                )
+        step_owned(optimizer, {id(p) for p in pieces.values()})
+        for piece_param in pieces.values():
+            piece_param.grad = None
+
+    # -- the state --------------------------------------------------------------------------------
+    def state_bytes(self) -> list[int]:
+        """Bytes of optimizer state each local replica holds, its pieces' included."""
+        return [
+            whole + (0 if pieces is None else state_bytes([pieces])[0])
+            for whole, pieces in zip(
+                state_bytes(self.optimizers), self._storage.piece_optimizers, strict=True
+            )
+        ]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The plain single-optimizer state, gathered from every owner (a collective across
+        workers)."""
+        merged = self.optimizers[0].state_dict()
+        mine = local_entries(self.optimizers, self._storage)
+        if self.plan.num_workers == 1:
+            gathered = mine
+        else:
+            workers = self._communicator.workers
+            assert workers is not None
+            gathered = gather_state(workers, self.plan.worker, self._storage.device, mine)
+        merged["state"] = consolidated_state(self.plan, gathered, self.params[0])
+        return merged
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Give each local replica's optimizer the hyperparameters and its owned share of
+        ``state_dict``'s state (a plain single-optimizer state dict), its pieces' ranges
+        included; torch's loading puts each tensor where the optimizer keeps it. The whole
+        state is checked first: one that does not fit changes no replica."""
+        check_optimizer_state(self.optimizers[0], state_dict, "the optimizer state")
+        states = state_dict["state"]
+        for r, (optimizer, share) in enumerate(zip(self.optimizers, self.plan.shares, strict=True)):
+            owned = {self.plan.state_index[i] for i in share.whole}
+            if r == 0:
+                owned |= self.plan.kept_frozen_state
+            own_share = {k: v for k, v in states.items() if int(k) in owned}
+            load_own_copy(optimizer, {**state_dict, "state": own_share})
+            piece_optimizer = self._storage.piece_optimizers[r]
+            if piece_optimizer is not None:
+                piece_optimizer.load_state_dict(pieces_state(self.plan, share, state_dict))
+
+
+def _sum_range(
+    parts: Sequence[torch.Tensor], lo: int, hi: int, device: torch.device
+) -> torch.Tensor | None:
+    """The sum, in order, of elements ``lo`` to ``hi`` of each flattened gradient in ``parts``
+    (None if there are none)."""
+    if not parts:
+        return None
+    ranges = [p.reshape(-1)[lo:hi] for p in parts]
+    total = ranges[0].to(device, copy=True)
+    for part in ranges[1:]:
+        total.add_(part.to(device, non_blocking=True))
+    return total
