@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Set up a virtual environment and run everything CI runs: lint, format, type check, the strict
-# documentation build, all tests.
+# Set up a virtual environment and run everything CI runs: lint, format, type check, the import
+# layers, the strict documentation build, all tests.
 # Usage: bash scripts/test.sh [pytest arguments]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,5 +15,6 @@ fi
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/mypy
+.venv/bin/lint-imports --no-cache  # the package layers, contracts in pyproject.toml
 NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet  # into site/, ignored by git
 .venv/bin/python -m pytest -q "$@"
