@@ -1,8 +1,7 @@
 """All-reduce between worker processes on one machine through shared memory.
 
-Gloo moves every byte of a same-machine all-reduce through loopback TCP: a 2.7 MB gradient bucket
-takes about 3 ms between two processes on our 2-core VM, where copying it through a shared buffer
-takes about 0.4 ms (measured with the two side by side; ``benchmarks/multi_worker.py`` shows the
+Gloo moves every byte of a same-machine all-reduce through loopback TCP, several times slower
+than copying it through a shared buffer (``benchmarks/multi_worker.py`` measures both, and the
 effect on a whole step). So when every worker of a job runs on this machine,
 ``MultiWorkerMirroredStrategy`` (``CommunicationImplementation.AUTO``) sums CPU tensors here:
 

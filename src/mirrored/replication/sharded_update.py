@@ -1,13 +1,13 @@
 """Updating each parameter once, on replicas that share one device's memory.
 
-Replicas on logical devices of one physical device (the CPU, or one GPU) would otherwise all run
-the full optimizer update at once on the same cores and memory: on the 2-core benchmark machine,
-two concurrent Adam updates of the overhead MLP took about 4 ms each against 1.1 ms for one
-(benchmarks/RESULTS.md). Instead each parameter gets one owner replica (balanced by size); only
-the owner sums its gradient over the replicas, updates it, and copies the result to the others.
-The optimizer state of a parameter is one set of tensors shared by every replica's optimizer, so
-the user's optimizer (replica 0's) keeps the complete state and its ``state_dict()`` stays the
-plain single-model one; that also makes optimizer memory 1/N of mirrored state.
+Replicas on logical devices of one physical device (the CPU, or one GPU) would otherwise all run the
+full optimizer update at once on the same cores and memory, each update several times slower than
+one alone (benchmarks/RESULTS.md, "sharded_update.py"). Instead each parameter gets one owner
+replica (balanced by size); only the owner sums its gradient over the replicas, updates it, and
+copies the result to the others. The optimizer state of a parameter is one set of tensors shared by
+every replica's optimizer, so the user's optimizer (replica 0's) keeps the complete state and its
+``state_dict()`` stays the plain single-model one; that also makes optimizer memory 1/N of mirrored
+state.
 
 Exact for optimizers whose update of a parameter reads only that parameter, its gradient and its
 own state: torch's built-in optimizers listed below. Any other optimizer runs the full update on
@@ -53,8 +53,8 @@ PER_PARAMETER_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
 def _left_to_torch(group: dict[str, Any]) -> bool:
     """The user left the implementation to torch (``foreach=None``), which on the CPU picks a
     Python loop over tensors. Replica threads share one GIL, so N of those loops run one after
-    the other; the foreach path does the same elementwise math in a few calls (measured 1.5 ms
-    vs 0.9 ms per concurrent update of the overhead MLP). Not with a tensor learning rate,
+    the other; the foreach path does the same elementwise math in a few calls, and so runs
+    concurrent updates faster (benchmarks/RESULTS.md). Not with a tensor learning rate,
     which torch's foreach path takes only with ``capturable``."""
     return (
         "foreach" in group
