@@ -2,11 +2,10 @@
 
 Written once against the Strategy contract, so it runs unchanged on every strategy. Create the
 model inside ``strategy.scope()``; every global batch is split across the strategy's replicas,
-and fit on N replicas ends with the parameters fit on one device ends with. What a kind of
-strategy changes (where fit's steps run, where evaluate runs, how a checkpoint is written) is
-the model's ``TrainingLoop`` (``mirrored.training.loop``), chosen once from its strategy. This
-class holds the model's state and checks the user's arguments; the loops, ``evaluation`` and
-``saved_state`` do the work.
+and fit on N replicas ends with the parameters fit on one device ends with. Where fit's steps
+and evaluate run and how a checkpoint is written is the model's ``TrainingLoop``, chosen once
+from its strategy. This class holds the model's state and checks the user's arguments; the
+loops, ``evaluation`` and ``saved_state`` do the work.
 
 A module with lazy parameters (``nn.LazyLinear``, a Keras ``Dense`` without an input shape) is
 built as Keras builds a model: on the first batch fit, evaluate or predict see, before it is
