@@ -106,6 +106,7 @@ def test_a_micro_step_keeps_each_replica_s_own_gradients_and_parameters(ops: str
         strategy.run(_step, args=(batch, mirrored_model, optimizer))
         optimizer.zero_grad()  # outside run too: the window keeps them
         mirrored_model.zero_grad()
+        getattr(mirrored_model, "0").zero_grad()  # a submodule's too
         assert optimizer.step_updates  # the next step ends the window
         for replica, (lo, hi) in zip(mirrored_model.replicas, [(0, 8), (8, 16)], strict=True):
             for name, value in replica.state_dict().items():

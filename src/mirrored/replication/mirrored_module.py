@@ -135,10 +135,12 @@ class MirroredModule(SyncsBuffers):
         return replica_context_of(self._strategy) is not None
 
     def _cross_replica(self, parts: Sequence[Any]) -> Any:
-        """A value read outside ``run``: submodules mirrored, anything else replica 0's."""
-        return (
-            MirroredModule(self._strategy, parts) if isinstance(parts[0], nn.Module) else parts[0]
-        )
+        """A value read outside ``run``: submodules mirrored (with this module's features, so
+        that their ``zero_grad`` keeps the gradients an accumulation window holds), anything
+        else replica 0's."""
+        if isinstance(parts[0], nn.Module):
+            return MirroredModule(self._strategy, parts, self._features)
+        return parts[0]
 
     @property
     def module(self) -> nn.Module:
