@@ -73,8 +73,15 @@ class Metric:
     @state.setter
     def state(self, sums: torch.Tensor) -> None:
         """Replace the merged sums (a vector of the ``batch_state`` form, kept as given: a
-        ``MetricSet`` keeps its metrics' sums as views of one vector)."""
+        ``MetricSet`` keeps its metrics' sums as views of one vector), so it must already be
+        float64 sums outside autograd, as ``merge_state`` would make them."""
         self._check_state(sums, "state")
+        if sums.dtype != torch.float64 or sums.requires_grad:
+            raise ValueError(
+                f"metric {self.name!r}: state got a {sums.dtype} tensor"
+                f"{' that requires grad' if sums.requires_grad else ''}; expected float64 sums "
+                "outside autograd (detach() and .double() it, or use merge_state)"
+            )
         self._state = sums
 
     def _check_state(self, state: Any, what: str) -> None:

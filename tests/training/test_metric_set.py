@@ -96,3 +96,15 @@ def test_one_replica_s_sums_merge_where_they_are(monkeypatch: pytest.MonkeyPatch
     metric_set, (state,) = _set(), _steps(1)
     merge(strategy, metric_set, state)
     assert torch.equal(metric_set.loss.state, state[:2])
+
+
+@pytest.mark.parametrize(
+    "sums",
+    [torch.zeros(2, dtype=torch.float32), torch.zeros(2, dtype=torch.float64, requires_grad=True)],
+    ids=["float32", "requires grad"],
+)
+def test_setting_a_state_that_is_not_float64_sums_outside_autograd_is_refused(sums) -> None:
+    metric = metrics.Mean()
+    with pytest.raises(ValueError, match=r"state got a torch\.float.*expected float64 sums"):
+        metric.state = sums
+    assert torch.equal(metric.state, torch.zeros(2, dtype=torch.float64))  # unchanged
