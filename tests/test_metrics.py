@@ -10,24 +10,9 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 from mirrored import losses, metrics
+from tests import seeded_inputs as seeded
 
 SHARDS = (4, 3, 3, 0, 3)  # 13 examples, a ragged split with an empty shard
-
-
-def _generator():
-    return torch.Generator().manual_seed(0)
-
-
-def _logits(*shape):
-    return torch.randn(*shape, generator=_generator()) * 3
-
-
-def _ids(*shape, classes):
-    return torch.randint(0, classes, shape, generator=_generator())
-
-
-def _uniform(*shape):
-    return torch.rand(*shape, generator=_generator())
 
 
 def _split(value, sizes=SHARDS):
@@ -40,22 +25,26 @@ def _absolute(y_true, y_pred):
 
 def _cases():
     """(metric, y_true, y_pred) on 13 examples, for every metric."""
-    labels, logits = _ids(13, classes=5), _logits(13, 5)
-    one_hot = F.one_hot(_ids(13, classes=5), 5)
-    binary = (_uniform(13, 1) > 0.5).float()
+    labels, logits = seeded.ids(13, classes=5), seeded.logits(13, 5)
+    one_hot = F.one_hot(seeded.ids(13, classes=5), 5)
+    binary = (seeded.uniform(13, 1) > 0.5).float()
     return [
         (metrics.SparseCategoricalAccuracy(), labels, logits),
-        (metrics.SparseCategoricalAccuracy(), _ids(13, 6, classes=5), _logits(13, 6, 5)),
+        (
+            metrics.SparseCategoricalAccuracy(),
+            seeded.ids(13, 6, classes=5),
+            seeded.logits(13, 6, 5),
+        ),
         (metrics.CategoricalAccuracy(), one_hot, logits),
-        (metrics.BinaryAccuracy(), binary[:, 0], _uniform(13, 1)),
-        (metrics.BinaryAccuracy(threshold=0.0), binary, _logits(13, 1)),
-        (metrics.MeanAbsoluteError(), _uniform(13, 3), _logits(13, 3)),
-        (metrics.MeanSquaredError(), _uniform(13, 3), _logits(13, 3)),
+        (metrics.BinaryAccuracy(), binary[:, 0], seeded.uniform(13, 1)),
+        (metrics.BinaryAccuracy(threshold=0.0), binary, seeded.logits(13, 1)),
+        (metrics.MeanAbsoluteError(), seeded.uniform(13, 3), seeded.logits(13, 3)),
+        (metrics.MeanSquaredError(), seeded.uniform(13, 3), seeded.logits(13, 3)),
         (metrics.AutoAccuracy(), labels, logits),
         (
             metrics.MeanMetricWrapper(lambda t, p: (t - p).abs(), "l1"),
-            _uniform(13, 2),
-            _logits(13, 2),
+            seeded.uniform(13, 2),
+            seeded.logits(13, 2),
         ),
     ]
 
@@ -66,8 +55,8 @@ def test_shard_states_add_up_to_the_whole_batch_for_every_metric(weighting):
         values_shape = metric.fn(y_true, y_pred).shape if hasattr(metric, "fn") else (13,)
         weight = {
             "none": None,
-            "per_example": _uniform(13) * 3,
-            "per_element": _uniform(*values_shape),
+            "per_example": seeded.uniform(13) * 3,
+            "per_element": seeded.uniform(*values_shape),
         }[weighting]
         whole = metric.batch_state(y_true, y_pred, sample_weight=weight)
         assert whole.dtype == torch.float64 and whole.shape == (metric.num_state,)
@@ -82,7 +71,7 @@ def test_shard_states_add_up_to_the_whole_batch_for_every_metric(weighting):
         single = copy.deepcopy(metric)
         single.update_state(y_true, y_pred, sample_weight=weight)
         assert merged.result() == pytest.approx(single.result(), rel=1e-12)
-    values, weight = _logits(13, 4), _uniform(13)
+    values, weight = seeded.logits(13, 4), seeded.uniform(13)
     mean = metrics.Mean()
     shards = zip(_split(values), _split(weight), strict=True)
     parts = [mean.batch_state(v, sample_weight=w) for v, w in shards]
@@ -90,7 +79,7 @@ def test_shard_states_add_up_to_the_whole_batch_for_every_metric(weighting):
 
 
 def test_accuracies_equal_the_hand_computation():
-    labels, logits = _ids(13, classes=5), _logits(13, 5)
+    labels, logits = seeded.ids(13, classes=5), seeded.logits(13, 5)
     expected = (logits.argmax(-1) == labels).double().mean().item()
     for y_true in (labels, labels[:, None], labels.float()):
         metric = metrics.SparseCategoricalAccuracy()
@@ -116,9 +105,9 @@ def test_accuracies_equal_the_hand_computation():
 
 
 def test_sequence_accuracy_with_token_weights():
-    labels, logits = _ids(3, 4, classes=5), _logits(3, 4, 5)
+    labels, logits = seeded.ids(3, 4, classes=5), seeded.logits(3, 4, 5)
     matches = (logits.argmax(-1) == labels).double()
-    mask = (_uniform(3, 4) > 0.3).double()
+    mask = (seeded.uniform(3, 4) > 0.3).double()
     metric = metrics.SparseCategoricalAccuracy()
     metric.update_state(labels, logits, sample_weight=mask)
     assert metric.result() == pytest.approx(((matches * mask).sum() / mask.sum()).item())
@@ -130,7 +119,7 @@ def test_sequence_accuracy_with_token_weights():
 
 
 def test_regression_metrics_equal_torchs_losses():
-    y_true, y_pred = _uniform(13, 3), _logits(13, 3)
+    y_true, y_pred = seeded.uniform(13, 3), seeded.logits(13, 3)
     mae, mse = metrics.MeanAbsoluteError(), metrics.MeanSquaredError()
     mae.update_state(y_true, y_pred)
     mse.update_state(y_true, y_pred)
@@ -156,9 +145,9 @@ def test_mean_weighs_from_the_left_and_is_zero_when_empty():
 
 
 def test_batch_state_is_pure_detached_and_float64():
-    logits = _logits(4, 3).requires_grad_()
+    logits = seeded.logits(4, 3).requires_grad_()
     metric = metrics.SparseCategoricalAccuracy()
-    state = metric.batch_state(_ids(4, classes=3), logits)
+    state = metric.batch_state(seeded.ids(4, classes=3), logits)
     assert not state.requires_grad and state.dtype == torch.float64
     assert metric.result() == 0.0  # batch_state left the metric alone
     mean_state = metrics.Mean().batch_state(logits * 2)
@@ -233,15 +222,15 @@ def test_get_picks_accuracy_from_the_loss():
 
 
 def test_auto_accuracy_reads_its_kind_from_the_first_batch():
-    labels, logits = _ids(6, classes=4), _logits(6, 4)
-    binary_targets = (_uniform(6) > 0.5).float()
+    labels, logits = seeded.ids(6, classes=4), seeded.logits(6, 4)
+    binary_targets = (seeded.uniform(6) > 0.5).float()
     cases = [
         (labels, logits, "sparse_categorical"),
         (labels[:, None], logits, "sparse_categorical"),
         (F.one_hot(labels, 4).float(), logits, "categorical"),
-        (binary_targets, _uniform(6, 1), "binary"),
-        (binary_targets[:, None], _uniform(6, 1), "binary"),
-        (binary_targets, _uniform(6), "binary"),
+        (binary_targets, seeded.uniform(6, 1), "binary"),
+        (binary_targets[:, None], seeded.uniform(6, 1), "binary"),
+        (binary_targets, seeded.uniform(6), "binary"),
     ]
     for y_true, y_pred, kind in cases:
         metric = metrics.get("accuracy")
@@ -280,11 +269,11 @@ def test_get_by_name_class_and_instance():
 
 
 def test_keras_function_forms_give_one_value_per_example_and_log_their_names():
-    logits, ids = _logits(7, 4), _ids(7, classes=4)
+    logits, ids = seeded.logits(7, 4), seeded.ids(7, classes=4)
     expected = (logits.argmax(-1) == ids).float()
     assert_close(metrics.sparse_categorical_accuracy(ids, logits), expected)
     assert_close(metrics.categorical_accuracy(F.one_hot(ids, 4), logits), expected)
-    targets, scores = _uniform(7).round(), _logits(7)
+    targets, scores = seeded.uniform(7).round(), seeded.logits(7)
     assert_close(
         metrics.binary_accuracy(targets, scores, threshold=0.0), ((scores > 0) == targets).float()
     )
@@ -301,8 +290,8 @@ def test_keras_function_forms_give_one_value_per_example_and_log_their_names():
 
 @pytest.mark.cuda
 def test_on_cuda_batch_state_never_waits_for_the_device():
-    labels, logits = _ids(13, classes=5).cuda(), _logits(13, 5).cuda()
-    weights = _uniform(13).cuda()
+    labels, logits = seeded.ids(13, classes=5).cuda(), seeded.logits(13, 5).cuda()
+    weights = seeded.uniform(13).cuda()
     cases = [
         (metrics.SparseCategoricalAccuracy(), labels, logits),
         (metrics.CategoricalAccuracy(), F.one_hot(labels, 5), logits),

@@ -13,6 +13,7 @@ from torch.testing import assert_close
 import mirrored
 from mirrored import losses
 from mirrored.losses import functions as loss_functions
+from tests import seeded_inputs as seeded
 
 
 def test_outside_a_strategy_it_is_the_plain_mean():
@@ -45,36 +46,20 @@ def test_bad_arguments():
 # -- Keras-named loss objects ----------------------------------------------------------------------
 
 
-def _generator():
-    return torch.Generator().manual_seed(0)
-
-
-def _logits(*shape):
-    return torch.randn(*shape, generator=_generator()) * 3
-
-
-def _ids(*shape, classes):
-    return torch.randint(0, classes, shape, generator=_generator())
-
-
-def _uniform(*shape):
-    return torch.rand(*shape, generator=_generator())
-
-
 def test_sparse_categorical_crossentropy_from_logits_is_torchs_cross_entropy():
-    logits, labels = _logits(8, 5), _ids(8, classes=5)
+    logits, labels = seeded.logits(8, 5), seeded.ids(8, classes=5)
     loss = losses.SparseCategoricalCrossentropy(from_logits=True)
     expected = F.cross_entropy(logits, labels, reduction="none")
     assert_close(loss.call(labels, logits), expected)
     assert_close(loss(labels, logits), expected.mean())
     assert_close(loss(labels[:, None], logits), expected.mean())  # a trailing 1 is squeezed
-    weights = _uniform(8)
+    weights = seeded.uniform(8)
     assert_close(loss(labels, logits, sample_weight=weights), (expected * weights).sum() / 8)
     assert loss.name == "sparse_categorical_crossentropy" and loss.from_logits
 
 
 def test_sparse_categorical_crossentropy_of_probabilities_renormalises_and_clips_like_keras():
-    logits, labels = _logits(6, 4), _ids(6, classes=4)
+    logits, labels = seeded.logits(6, 4), seeded.ids(6, classes=4)
     probabilities = logits.softmax(dim=-1)
     loss = losses.SparseCategoricalCrossentropy()
     expected = F.cross_entropy(logits, labels, reduction="none")
@@ -88,12 +73,12 @@ def test_sparse_categorical_crossentropy_of_probabilities_renormalises_and_clips
 
 def test_sparse_categorical_crossentropy_on_sequences_with_weights():
     batch, steps, vocab = 3, 5, 7
-    logits, labels = _logits(batch, steps, vocab), _ids(batch, steps, classes=vocab)
+    logits, labels = seeded.logits(batch, steps, vocab), seeded.ids(batch, steps, classes=vocab)
     loss = losses.SparseCategoricalCrossentropy(from_logits=True)
     per_token = F.cross_entropy(logits.reshape(-1, vocab), labels.reshape(-1), reduction="none")
     per_token = per_token.reshape(batch, steps)
     assert_close(loss.call(labels, logits), per_token)
-    token_weights = _uniform(batch, steps)
+    token_weights = seeded.uniform(batch, steps)
     assert_close(
         loss(labels, logits, sample_weight=token_weights),
         (per_token * token_weights).sum() / (batch * steps),
@@ -106,7 +91,7 @@ def test_sparse_categorical_crossentropy_on_sequences_with_weights():
 
 
 def test_ignore_class_gives_zero_loss_and_averages_over_the_rest():
-    logits, labels = _logits(4, 6, 5), _ids(4, 6, classes=5)
+    logits, labels = seeded.logits(4, 6, 5), seeded.ids(4, 6, classes=5)
     labels[0, :3] = -1
     labels[2, 4:] = -1
     for from_logits in (True, False):
@@ -121,13 +106,13 @@ def test_ignore_class_gives_zero_loss_and_averages_over_the_rest():
         assert_close(loss(labels, predictions), expected)
     everything_ignored = torch.full((2, 3), 4)
     loss = losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=4)
-    assert loss(everything_ignored, _logits(2, 3, 5)).item() == 0.0
+    assert loss(everything_ignored, seeded.logits(2, 3, 5)).item() == 0.0
 
 
 def test_categorical_crossentropy_matches_torch_with_probability_targets_and_smoothing():
-    logits = _logits(8, 5)
-    targets = F.one_hot(_ids(8, classes=5), 5).float()
-    soft_targets = torch.rand(8, 5, generator=_generator()).softmax(dim=-1)
+    logits = seeded.logits(8, 5)
+    targets = F.one_hot(seeded.ids(8, classes=5), 5).float()
+    soft_targets = seeded.uniform(8, 5).softmax(dim=-1)
     for y_true in (targets, soft_targets):
         for smoothing in (0.0, 0.2):
             expected = F.cross_entropy(logits, y_true, label_smoothing=smoothing, reduction="none")
@@ -137,14 +122,14 @@ def test_categorical_crossentropy_matches_torch_with_probability_targets_and_smo
             assert_close(from_logits.call(y_true, logits), expected)
             from_probabilities = losses.CategoricalCrossentropy(label_smoothing=smoothing)
             assert_close(from_probabilities.call(y_true, logits.softmax(dim=-1)), expected)
-    integer_targets = F.one_hot(_ids(8, classes=5), 5)
+    integer_targets = F.one_hot(seeded.ids(8, classes=5), 5)
     loss = losses.CategoricalCrossentropy(from_logits=True)
     assert_close(loss.call(integer_targets, logits), loss.call(integer_targets.float(), logits))
     assert loss.name == "categorical_crossentropy"
 
 
 def test_binary_crossentropy_averages_the_last_dim_and_aligns_a_trailing_one():
-    logits, targets = _logits(6, 3), (_uniform(6, 3) > 0.5).float()
+    logits, targets = seeded.logits(6, 3), (seeded.uniform(6, 3) > 0.5).float()
     expected = F.binary_cross_entropy_with_logits(logits, targets, reduction="none").mean(-1)
     assert_close(losses.BinaryCrossentropy(from_logits=True).call(targets, logits), expected)
     probabilities = logits.sigmoid()
@@ -152,7 +137,7 @@ def test_binary_crossentropy_averages_the_last_dim_and_aligns_a_trailing_one():
     expected = F.binary_cross_entropy(clipped, targets, reduction="none").mean(-1)
     assert_close(losses.BinaryCrossentropy().call(targets, probabilities), expected)
     # The common case: y_true [batch] and y_pred [batch, 1] give one loss per example.
-    column, labels = _logits(6, 1), targets[:, 0]
+    column, labels = seeded.logits(6, 1), targets[:, 0]
     values = losses.BinaryCrossentropy(from_logits=True).call(labels, column)
     assert values.shape == (6,)
     assert_close(values, F.binary_cross_entropy_with_logits(column[:, 0], labels, reduction="none"))
@@ -164,7 +149,7 @@ def test_binary_crossentropy_averages_the_last_dim_and_aligns_a_trailing_one():
 
 
 def test_binary_crossentropy_label_smoothing_pulls_targets_to_one_half():
-    logits, targets = _logits(5, 2), (_uniform(5, 2) > 0.5).float()
+    logits, targets = seeded.logits(5, 2), (seeded.uniform(5, 2) > 0.5).float()
     smoothed = targets * 0.8 + 0.1
     expected = F.binary_cross_entropy_with_logits(logits, smoothed, reduction="none").mean(-1)
     loss = losses.BinaryCrossentropy(from_logits=True, label_smoothing=0.2)
@@ -172,7 +157,7 @@ def test_binary_crossentropy_label_smoothing_pulls_targets_to_one_half():
 
 
 def test_mean_squared_and_absolute_error_average_the_last_dim():
-    y_true, y_pred = _uniform(7, 3), _logits(7, 3)
+    y_true, y_pred = seeded.uniform(7, 3), seeded.logits(7, 3)
     assert_close(
         losses.MeanSquaredError().call(y_true, y_pred),
         F.mse_loss(y_pred, y_true, reduction="none").mean(-1),
@@ -190,14 +175,14 @@ def test_mean_squared_and_absolute_error_average_the_last_dim():
 
 
 def test_sample_weight_shapes():
-    y_true, y_pred = _uniform(4, 3, 2), _logits(4, 3, 2)
+    y_true, y_pred = seeded.uniform(4, 3, 2), seeded.logits(4, 3, 2)
     loss = losses.MeanSquaredError()
     per_element = loss.call(y_true, y_pred)  # [4, 3]
     for weight, broadcast in (
         (torch.tensor([1.0, 2.0, 0.0, 3.0]), torch.tensor([1.0, 2.0, 0.0, 3.0])[:, None]),
         (torch.tensor([[1.0], [2.0], [0.0], [3.0]]), torch.tensor([1.0, 2.0, 0.0, 3.0])[:, None]),
-        (_uniform(4, 3), _uniform(4, 3)),
-        (_uniform(4, 3)[..., None], _uniform(4, 3)),
+        (seeded.uniform(4, 3), seeded.uniform(4, 3)),
+        (seeded.uniform(4, 3)[..., None], seeded.uniform(4, 3)),
         (torch.tensor([[1.0, 0.0, 2.0]]), torch.tensor([[1.0, 0.0, 2.0]])),
         (0.5, torch.tensor(0.5)),
     ):
@@ -223,16 +208,18 @@ def test_an_empty_batch_has_loss_zero():
 
 
 def test_half_precision_predictions_are_computed_in_float32():
-    logits, labels = _logits(16, 10).bfloat16(), _ids(16, classes=10)
+    logits, labels = seeded.logits(16, 10).bfloat16(), seeded.ids(16, classes=10)
     values = losses.SparseCategoricalCrossentropy(from_logits=True).call(labels, logits)
     assert values.dtype == torch.float32
     assert_close(values, F.cross_entropy(logits.float(), labels, reduction="none"))
-    half = losses.BinaryCrossentropy(from_logits=True).call(_uniform(4, 2), _logits(4, 2).half())
+    half = losses.BinaryCrossentropy(from_logits=True).call(
+        seeded.uniform(4, 2), seeded.logits(4, 2).half()
+    )
     assert half.dtype == torch.float32
 
 
 def test_gradients_match_torchs_cross_entropy():
-    logits, labels = _logits(5, 4).requires_grad_(), _ids(5, classes=4)
+    logits, labels = seeded.logits(5, 4).requires_grad_(), seeded.ids(5, classes=4)
     losses.SparseCategoricalCrossentropy(from_logits=True)(labels, logits).backward()
     reference = logits.detach().clone().requires_grad_()
     F.cross_entropy(reference, labels).backward()
@@ -270,7 +257,7 @@ def test_shape_errors_name_both_shapes():
 
 
 def test_logits_given_as_probabilities_are_refused_on_the_first_call_only():
-    logits, labels = _logits(6, 4), _ids(6, classes=4)
+    logits, labels = seeded.logits(6, 4), seeded.ids(6, classes=4)
     one_hot = F.one_hot(labels, 4).float()
     for loss, y_true, y_pred in (
         (losses.SparseCategoricalCrossentropy(), labels, logits),
@@ -340,7 +327,7 @@ def test_a_function_is_wrapped_and_must_return_one_loss_per_example():
 
 
 def test_keras_function_forms_give_one_loss_per_example():
-    logits, ids = _logits(2, 5, 4), _ids(2, 5, classes=4)
+    logits, ids = seeded.logits(2, 5, 4), seeded.ids(2, 5, classes=4)
     expected = F.cross_entropy(logits.transpose(1, 2), ids, reduction="none")  # [2, 5]
     sparse = losses.sparse_categorical_crossentropy
     assert_close(sparse(ids, logits, from_logits=True), expected)
@@ -354,19 +341,19 @@ def test_keras_function_forms_give_one_loss_per_example():
         losses.categorical_crossentropy(one_hot, logits, from_logits=True, label_smoothing=0.2),
         smoothed.call(one_hot, logits),
     )
-    targets, scores = _uniform(6, 3).round(), _logits(6, 3)
+    targets, scores = seeded.uniform(6, 3).round(), seeded.logits(6, 3)
     assert_close(
         losses.binary_crossentropy(targets, scores, from_logits=True),
         F.binary_cross_entropy_with_logits(scores, targets, reduction="none").mean(-1),
     )
-    predictions = _uniform(6, 3)
+    predictions = seeded.uniform(6, 3)
     assert losses.mse is losses.mean_squared_error and losses.mae is losses.mean_absolute_error
     assert_close(losses.mse(targets, predictions), (targets - predictions).square().mean(-1))
     assert_close(losses.mae(targets, predictions), (targets - predictions).abs().mean(-1))
 
 
 def test_keras_function_forms_check_probabilities_and_refuse_another_axis():
-    logits, ids = _logits(6, 4), _ids(6, classes=4)
+    logits, ids = seeded.logits(6, 4), seeded.ids(6, classes=4)
     # The check runs on the first call of each argument combination (one host sync): forget
     # the calls of earlier tests.
     loss_functions._LOSS_OBJECTS.clear()
@@ -388,8 +375,8 @@ def test_a_partial_function_is_named_after_its_function():
 
 @pytest.mark.cuda
 def test_on_cuda_calls_after_the_first_never_wait_for_the_device():
-    logits, labels = _logits(8, 6, 5).cuda(), _ids(8, 6, classes=5).cuda()
-    weights = _uniform(8).cuda()
+    logits, labels = seeded.logits(8, 6, 5).cuda(), seeded.ids(8, 6, classes=5).cuda()
+    weights = seeded.uniform(8).cuda()
     checked = [
         losses.SparseCategoricalCrossentropy(),
         losses.CategoricalCrossentropy(),
