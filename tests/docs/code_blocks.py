@@ -14,7 +14,9 @@ it is tested, one ``<!-- test: KIND ... -->`` each:
   must print the same numbers;
 - ``not-run REASON``: a shell block that cannot run here (an install, GPUs, several machines, a
   long benchmark); its paths, extras, examples and flags are checked against the repository;
-- ``covered-by tests/PATH::NAME``: another test runs exactly this block's content.
+- ``covered-by tests/PATH::NAME``: another test runs exactly this block's content;
+- ``tensorflow``: a ``python`` block of TensorFlow code shown beside ours for comparison (the
+  tutorials under docs/migrating/): never run, only parsed, since TensorFlow is not installed.
 
 ``python``, ``diff``, ``bash`` and ``console`` fences are code; ``text`` fences show output.
 """
@@ -28,7 +30,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 CODE_LANGUAGES = {"python", "diff", "bash", "console"}
 OTHER_LANGUAGES = {"text", "yaml", "json", "toml"}
-KINDS = {"continue", "prelude", "file", "run", "same-output", "not-run", "covered-by"}
+KINDS = {
+    "continue",
+    "prelude",
+    "file",
+    "run",
+    "same-output",
+    "not-run",
+    "covered-by",
+    "tensorflow",
+}
 
 _FENCE = re.compile(r"^(?P<indent>[ ]*)```(?P<lang>[\w-]*)\s*$")
 _DIRECTIVE = re.compile(r"<!-- test: (?P<kind>[\w-]+)(?P<rest>.*?)(?:-->|$)", re.DOTALL)
@@ -129,7 +140,9 @@ def python_programs(page_blocks: list[Block]) -> list[Program]:
     """A page's python programs: each block, joined to the one before it where it continues."""
     programs: list[Program] = []
     for block in page_blocks:
-        if block.language != "python" or block.directive("file") or block.directive("covered-by"):
+        if block.language != "python" or any(
+            block.directive(kind) for kind in ("file", "covered-by", "tensorflow")
+        ):
             continue
         pieces = []
         prelude = block.directive("prelude")

@@ -8,6 +8,7 @@ PATH; the two sides of a ``same-output`` diff must print the same numbers.
 
 from __future__ import annotations
 
+import ast
 import json
 import math
 import os
@@ -27,6 +28,7 @@ from tests.docs.code_blocks import (
     OTHER_LANGUAGES,
     ROOT,
     Block,
+    Directive,
     Program,
     all_blocks,
     blocks,
@@ -108,7 +110,35 @@ def test_every_code_block_says_how_it_is_tested() -> None:
         not_run = block.directive("not-run")
         if not_run is not None and not not_run.argument:
             problems.append(f"{block.name}: not-run without a reason")
+        if block.directive("tensorflow"):
+            problems += _tensorflow_problems(block, kinds)
     assert not problems, "\n".join(problems)
+
+
+def _tensorflow_problems(block: Block, kinds: list[str]) -> list[str]:
+    """A ``tensorflow`` block is shown, never run: it must be Python that parses, and it cannot
+    also be part of one of our programs."""
+    if block.language != "python":
+        return [f"{block.name}: a tensorflow block must be a python fence"]
+    if kinds != ["tensorflow"]:
+        return [f"{block.name}: a tensorflow block takes no other test kind, got {kinds}"]
+    try:
+        ast.parse(block.code)
+    except SyntaxError as error:
+        return [f"{block.name}: the TensorFlow code does not parse: {error}"]
+    return []
+
+
+def test_a_tensorflow_block_is_shown_and_never_run() -> None:
+    page = ROOT / "docs" / "page.md"  # python_programs reads no file
+    tensorflow = Block(page, 2, "python", "import tensorflow as tf\n", [Directive("tensorflow")])
+    ours = Block(page, 6, "python", "x = 1\n")
+    continued = Block(page, 10, "python", "print(x)\n", [Directive("continue")])
+    [program] = python_programs([tensorflow, ours, continued])
+    assert program.blocks == [ours, continued]
+    assert _tensorflow_problems(tensorflow, ["tensorflow"]) == []
+    broken = Block(page, 2, "python", "tf.function(\n", tensorflow.directives)
+    assert "does not parse" in _tensorflow_problems(broken, ["tensorflow"])[0]
 
 
 @pytest.mark.parametrize("program", PROGRAMS, ids=_ids(PROGRAMS))
