@@ -84,10 +84,12 @@ def compute_weighted_average_loss(
 
     ``weights``: the same shape as the loss, or broadcastable to it (a bool mask of valid
     tokens, or float weights); None counts every element. A global batch with no weight at all
-    gives 0. For a masked language model with labels of -100 where nothing is predicted::
+    gives 0. For a masked language model with labels of -100 where nothing is predicted:
 
-        per_token = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
-        loss = mirrored.compute_weighted_average_loss(per_token, labels.flatten() != -100)
+    ```python
+    per_token = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
+    loss = mirrored.compute_weighted_average_loss(per_token, labels.flatten() != -100)
+    ```
     """
     if not isinstance(per_element_loss, torch.Tensor):
         raise TypeError(

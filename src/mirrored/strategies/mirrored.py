@@ -36,24 +36,28 @@ class MirroredStrategy(ReplicatedStrategy):
 
     Replica 0 runs on the calling thread, the others on persistent worker threads.
 
-    Args: devices: device names ("cpu:0", "/gpu:1", torch.device...) or None for all local GPUs (or
-        all logical CPU devices when there is no GPU). cross_device_ops: the all-reduce algorithm
-        (an instance, or a class to build with its defaults); by default NcclAllReduce across
-        distinct GPUs and HierarchicalCopyAllReduce otherwise. timeout_seconds: how long replicas
-        wait for each other at a sync point before failing with an error naming the missing replica
-        (None: forever). gradient_accumulation_steps: k > 1 makes every ``optimizer.step()`` of a
-        mirrored optimizer a micro-step: the gradients of k steps are summed locally, reduced once,
-        averaged and applied at the k-th (:mod:`mirrored.replication.accumulation`). local_sgd:
-        ``LocalSGD(period, warmup_steps)``: after the warm-up, each replica updates with its own
-        gradient and the parameters are averaged every ``period`` updates
-        (:mod:`mirrored.replication.local_sgd`). None: every update all-reduces the gradients.
-        load_balancing: ``LoadBalancing(every_steps, smoothing)``: split each global batch of
-        ``experimental_distribute_dataset`` (and ``fit``) by the measured speed of each replica
-        (:mod:`mirrored.input.load_balancing`). None: evenly. zero_stage: 1 shards the optimizer
-        state of a mirrored optimizer over the replicas (each range of the parameters has one owner,
-        which alone updates it and keeps its state: 1/N per replica), 2 the gradients too; 0 (the
-        default) keeps all of it on every replica (:mod:`mirrored.replication.zero_redundancy`).
-        Needs one of torch's per-parameter optimizers.
+    Args:
+        devices: device names ("cpu:0", "/gpu:1", `torch.device`...); None: all local GPUs, or
+            all logical CPU devices when there is no GPU.
+        cross_device_ops: the all-reduce algorithm (an instance, or a class to build with its
+            defaults); by default `NcclAllReduce` across distinct GPUs and
+            `HierarchicalCopyAllReduce` otherwise.
+        timeout_seconds: how long replicas wait for each other at a sync point before failing
+            with an error naming the missing replica (None: forever).
+        gradient_accumulation_steps: k > 1 makes every `optimizer.step()` of a mirrored
+            optimizer a micro-step: the gradients of k steps are summed locally, reduced once,
+            averaged and applied at the k-th (`mirrored.replication.accumulation`).
+        local_sgd: `LocalSGD(period, warmup_steps)`: after the warm-up, each replica updates
+            with its own gradient and the parameters are averaged every `period` updates
+            (`mirrored.replication.local_sgd`). None: every update all-reduces the gradients.
+        load_balancing: `LoadBalancing(every_steps, smoothing)`: split each global batch of
+            `experimental_distribute_dataset` (and `fit`) by the measured speed of each replica
+            (`mirrored.input.load_balancing`). None: evenly.
+        zero_stage: 1 shards the optimizer state of a mirrored optimizer over the replicas
+            (each range of the parameters has one owner, which alone updates it and keeps its
+            state: 1/N per replica), 2 the gradients too; 0 (the default) keeps all of it on
+            every replica (`mirrored.replication.zero_redundancy`). Needs one of torch's
+            per-parameter optimizers.
     """
 
     def __init__(
