@@ -16,5 +16,5 @@ fi
 .venv/bin/ruff format --check .
 .venv/bin/mypy
 .venv/bin/lint-imports --no-cache  # the package layers, contracts in pyproject.toml
-NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet  # into site/, ignored by git
+bash scripts/build_docs.sh  # strict: fails on any warning
 .venv/bin/python -m pytest -q "$@"
