@@ -24,6 +24,7 @@ it is tested, one ``<!-- test: KIND ... -->`` each:
 from __future__ import annotations
 
 import re
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -88,7 +89,9 @@ def _directives_above(lines: list[str], fence: int) -> list[Directive]:
         if start < 0 or match is None:
             return found
         first, _, body = match["rest"].partition("\n")
-        found.insert(0, Directive(match["kind"], first.strip(), body.rstrip().removesuffix("-->")))
+        # Inside a content tab the comment is indented with its fence: a prelude's code is not.
+        body = textwrap.dedent(body.rstrip().removesuffix("-->"))
+        found.insert(0, Directive(match["kind"], first.strip(), body))
         end = start - 1
 
 

@@ -30,6 +30,7 @@ from tests.docs.code_blocks import (
     Block,
     Directive,
     Program,
+    _directives_above,
     all_blocks,
     blocks,
     diff_sides,
@@ -127,6 +128,21 @@ def _tensorflow_problems(block: Block, kinds: list[str]) -> list[str]:
     except SyntaxError as error:
         return [f"{block.name}: the TensorFlow code does not parse: {error}"]
     return []
+
+
+def test_a_prelude_inside_a_content_tab_runs_dedented() -> None:
+    lines = [
+        '=== "mirrored"',
+        "",
+        "    <!-- test: prelude",
+        "    if True:",
+        "        x = 1",
+        "    -->",
+        "",
+        "    ```python",
+    ]
+    [prelude] = _directives_above(lines, len(lines) - 1)
+    assert prelude.body.strip("\n") == "if True:\n    x = 1"
 
 
 def test_a_tensorflow_block_is_shown_and_never_run() -> None:
