@@ -7,9 +7,11 @@ gradient of the mean loss over the global batch, whatever the split.
 The loss objects (:mod:`mirrored.losses.classes`: ``SparseCategoricalCrossentropy`` and friends)
 compute what Keras's do, on PyTorch tensors. Their ``call`` gives one loss per element,
 unreduced, which is what a replica needs: it weighs and sums its shard and the division is by
-the global count. Keras's function forms and ``get`` live in :mod:`mirrored.losses.functions`,
-the handling of ``y_true``, ``y_pred`` and ``sample_weight`` they share with the metrics in
-:mod:`mirrored.losses.shapes`; this module gathers what users import.
+the global count. Called, they reduce as their ``reduction`` says (Keras 3's values;
+``Reduction.NONE`` and friends for TensorFlow 2's spelling). Keras's function forms and ``get``
+live in :mod:`mirrored.losses.functions`, the handling of ``y_true``, ``y_pred`` and
+``sample_weight`` they share with the metrics in :mod:`mirrored.losses.shapes`; this module
+gathers what users import.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from mirrored.losses.classes import (
     LossFunctionWrapper,
     MeanAbsoluteError,
     MeanSquaredError,
+    Reduction,
     SparseCategoricalCrossentropy,
 )
 from mirrored.losses.classes import function_name as function_name
@@ -49,6 +52,7 @@ __all__ = [
     "LossFunctionWrapper",
     "MeanAbsoluteError",
     "MeanSquaredError",
+    "Reduction",
     "SparseCategoricalCrossentropy",
     "binary_crossentropy",
     "broadcast_weight",

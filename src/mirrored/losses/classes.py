@@ -2,6 +2,9 @@
 
 Each computes what Keras's does. Their ``call`` gives one loss per element, unreduced, which is
 what a replica needs: it weighs and sums its shard and the division is by the global count.
+Calling a loss object reduces as its ``reduction`` says, with Keras 3's values; TensorFlow's
+custom-loop pattern is ``reduction=None`` (or ``Reduction.NONE``), then
+``mirrored.compute_average_loss``.
 """
 
 from __future__ import annotations
@@ -27,12 +30,14 @@ from mirrored.losses.shapes import (
 )
 
 __all__ = [
+    "REDUCTIONS",
     "BinaryCrossentropy",
     "CategoricalCrossentropy",
     "Loss",
     "LossFunctionWrapper",
     "MeanAbsoluteError",
     "MeanSquaredError",
+    "Reduction",
     "SparseCategoricalCrossentropy",
     "function_name",
 ]
@@ -43,16 +48,62 @@ _EPSILON = 1e-7  # keras.backend.epsilon(): probabilities are clipped to [eps, 1
 # them logits.
 _PROBABILITY_SLACK = 1e-5
 
+_DEFAULT_REDUCTION = "sum_over_batch_size"
+# Keras 3's reductions (``keras.losses.Loss``), and TensorFlow 2's "auto" (its default, which
+# meant "sum_over_batch_size").
+REDUCTIONS = (_DEFAULT_REDUCTION, "sum", None, "none", "mean", "mean_with_sample_weight", "auto")
+
+
+class Reduction:
+    """TensorFlow 2's ``tf.keras.losses.Reduction`` constants, for code that spells them so."""
+
+    AUTO = "auto"
+    NONE = "none"
+    SUM = "sum"
+    SUM_OVER_BATCH_SIZE = _DEFAULT_REDUCTION
+
+    @classmethod
+    def all(cls) -> tuple[str, ...]:
+        return (cls.AUTO, cls.NONE, cls.SUM, cls.SUM_OVER_BATCH_SIZE)
+
+    @classmethod
+    def validate(cls, key: Any) -> None:
+        _check_reduction(key)
+
+
+def _check_reduction(reduction: Any) -> str | None:
+    """``reduction`` if it is one of ``REDUCTIONS``, else a ValueError listing them."""
+    if reduction is None or (isinstance(reduction, str) and reduction in REDUCTIONS):
+        return reduction
+    raise ValueError(
+        f"reduction={reduction!r} is not a loss reduction; expected one of "
+        f"{', '.join(repr(r) for r in REDUCTIONS)} (None or 'none' for one loss per example, as "
+        "mirrored.compute_average_loss takes them)"
+    )
+
 
 class Loss:
     """A Keras-named loss: ``call`` gives one loss per element of shape [batch, ...], unreduced,
     so that a replica can weigh and sum its shard and the strategy divide by the global count;
-    calling the object reduces one batch the way Keras does by default ("sum_over_batch_size")."""
+    calling the object reduces one batch as ``reduction`` says (Keras 3's meanings):
 
-    def __init__(self, name: str | None = None) -> None:
+    - ``"sum_over_batch_size"`` (the default; also ``"mean"`` and TensorFlow 2's ``"auto"``):
+      the sum of the weighted losses over the number of elements (those not ignored);
+    - ``"mean_with_sample_weight"``: that sum over the sum of the weights;
+    - ``"sum"``: the sum;
+    - ``None`` or ``"none"``: the weighted losses themselves, one per element, for
+      ``mirrored.compute_average_loss`` in a replica.
+
+    Inside a replica of a strategy, a mean over the shard is refused at ``loss.backward()``
+    (the replicas' gradients are summed): take per-example losses and
+    ``compute_average_loss``. ``Model.compile`` uses ``call`` and always averages over the
+    global batch, whatever the reduction."""
+
+    def __init__(self, name: str | None = None, reduction: str | None = _DEFAULT_REDUCTION) -> None:
         if name is not None and not isinstance(name, str):
             raise TypeError(f"name={name!r}: expected a string or None")
         self.name = name if name is not None else type(self).__name__
+        self.reduction = _check_reduction(reduction)
         self._probabilities_checked = False
 
     def call(self, y_true: Any, y_pred: Any) -> torch.Tensor:
@@ -66,18 +117,31 @@ class Loss:
         return None
 
     def __call__(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> torch.Tensor:
-        """Sum of the (weighted) per-element losses over the number of elements, 0 for an empty
-        batch."""
+        """The (weighted) per-element losses reduced as ``reduction`` says; a mean of an empty
+        batch is 0."""
         values = self.call(y_true, y_pred)
-        if sample_weight is not None:
-            values = values * broadcast_weight(sample_weight, values)
+        weight = None if sample_weight is None else broadcast_weight(sample_weight, values)
+        if weight is not None:
+            values = values * weight
+        reduction = self.reduction
+        if reduction is None or reduction == "none":
+            return values
+        if reduction == "sum" or values.numel() == 0:
+            return values.sum()
         mask = self.valid_mask(y_true, y_pred)
-        if mask is None:
-            return values.sum() / max(values.numel(), 1)
-        return values.sum() / mask.sum().clamp(min=1)
+        if reduction == "mean_with_sample_weight" and weight is not None:
+            counted = (weight.expand(values.shape) if mask is None else weight * mask).sum()
+            divisor = torch.where(counted == 0, torch.ones_like(counted), counted)
+        elif mask is None:
+            # Written as a mean, so that a replica's loss.backward() sees a mean over its shard
+            # and refuses it (mirrored.replication.loss_scaling).
+            return values.mean()
+        else:
+            divisor = mask.sum().clamp(min=1)  # the elements that count
+        return (values * (values.numel() / divisor)).mean()  # a mean, for the same reason
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(name={self.name!r})"
+        return f"{type(self).__name__}(name={self.name!r}, reduction={self.reduction!r})"
 
     def _check_probabilities(self, y_pred: torch.Tensor) -> None:
         """With from_logits=False, check once per loss object (one host sync) that y_pred holds
@@ -113,9 +177,10 @@ class SparseCategoricalCrossentropy(Loss):
         self,
         from_logits: bool = False,
         ignore_class: int | None = None,
+        reduction: str | None = _DEFAULT_REDUCTION,
         name: str = "sparse_categorical_crossentropy",
     ) -> None:
-        super().__init__(name)
+        super().__init__(name, reduction)
         if ignore_class is not None and (
             isinstance(ignore_class, bool) or not isinstance(ignore_class, int)
         ):
@@ -198,9 +263,10 @@ class CategoricalCrossentropy(Loss):
         self,
         from_logits: bool = False,
         label_smoothing: float = 0.0,
+        reduction: str | None = _DEFAULT_REDUCTION,
         name: str = "categorical_crossentropy",
     ) -> None:
-        super().__init__(name)
+        super().__init__(name, reduction)
         self.from_logits = bool(from_logits)
         self.label_smoothing = _check_label_smoothing(label_smoothing)
 
@@ -237,9 +303,10 @@ class BinaryCrossentropy(Loss):
         self,
         from_logits: bool = False,
         label_smoothing: float = 0.0,
+        reduction: str | None = _DEFAULT_REDUCTION,
         name: str = "binary_crossentropy",
     ) -> None:
-        super().__init__(name)
+        super().__init__(name, reduction)
         self.from_logits = bool(from_logits)
         self.label_smoothing = _check_label_smoothing(label_smoothing)
 
@@ -260,8 +327,10 @@ class BinaryCrossentropy(Loss):
 class MeanSquaredError(Loss):
     """Squared error averaged over the last dim (Keras); [batch] pairs give one per example."""
 
-    def __init__(self, name: str = "mean_squared_error") -> None:
-        super().__init__(name)
+    def __init__(
+        self, reduction: str | None = _DEFAULT_REDUCTION, name: str = "mean_squared_error"
+    ) -> None:
+        super().__init__(name, reduction)
 
     def call(self, y_true: Any, y_pred: Any) -> torch.Tensor:
         return squared_error(*same_shape_pair(self.name, y_true, y_pred))
@@ -270,8 +339,10 @@ class MeanSquaredError(Loss):
 class MeanAbsoluteError(Loss):
     """Absolute error averaged over the last dim (Keras); [batch] pairs give one per example."""
 
-    def __init__(self, name: str = "mean_absolute_error") -> None:
-        super().__init__(name)
+    def __init__(
+        self, reduction: str | None = _DEFAULT_REDUCTION, name: str = "mean_absolute_error"
+    ) -> None:
+        super().__init__(name, reduction)
 
     def call(self, y_true: Any, y_pred: Any) -> torch.Tensor:
         return absolute_error(*same_shape_pair(self.name, y_true, y_pred))
@@ -291,10 +362,15 @@ class LossFunctionWrapper(Loss):
     Loss. As Keras does, a trailing dim of 1 on y_true or y_pred is aligned before the call, so
     that y_true [batch] and y_pred [batch, 1] do not broadcast to [batch, batch]."""
 
-    def __init__(self, fn: Callable[..., Any], name: str | None = None) -> None:
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        reduction: str | None = _DEFAULT_REDUCTION,
+        name: str | None = None,
+    ) -> None:
         if not callable(fn):
             raise TypeError(f"fn={fn!r}: expected a function fn(y_true, y_pred)")
-        super().__init__(name if name is not None else function_name(fn))
+        super().__init__(name if name is not None else function_name(fn), reduction)
         self.fn = fn
 
     def call(self, y_true: Any, y_pred: Any) -> torch.Tensor:
