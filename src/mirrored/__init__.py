@@ -12,6 +12,7 @@ from typing import Any
 
 from mirrored import callbacks, checkpoint, config, losses, metrics, optimizers, partitioners
 from mirrored._torch_internals import warn_if_untested_torch as _warn_if_untested_torch
+from mirrored.checkpoint_manager import Checkpoint, CheckpointManager, latest_checkpoint
 from mirrored.cluster.resolvers import (
     ClusterResolver,
     TFConfigClusterResolver,
@@ -67,6 +68,8 @@ _warn_if_untested_torch()  # one UserWarning on a torch release CI does not test
 
 __all__ = [
     "BufferAggregationWarning",
+    "Checkpoint",
+    "CheckpointManager",
     "ClusterCoordinator",
     "ClusterResolver",
     "CommunicationImplementation",
@@ -113,6 +116,7 @@ __all__ = [
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
+    "latest_checkpoint",
     "losses",
     "metrics",
     "optimizers",
