@@ -112,7 +112,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--patience", type=int, default=2, help="EarlyStopping patience (default %(default)s)"
     )
     parser.add_argument(
-        "--max-lines", type=int, help="keep at most this many lines of each split (smoke runs)"
+        "--max-lines",
+        type=int,
+        help="keep at most this many lines of each split, for smoke runs (default: all)",
     )
     parser.add_argument(
         "--log-dir",

@@ -43,7 +43,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=positive_int, default=64, help="global batch size")
     parser.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate")
     parser.add_argument("--seed", type=int, default=0, help="seeds the split, init and shuffling")
-    parser.add_argument("--data", type=Path, help=".npz with x (N, features) and y (N,)")
+    parser.add_argument(
+        "--data",
+        type=Path,
+        help=".npz with x (N, features) and y (N,) (default: scikit-learn's 8x8 digits)",
+    )
     return parser.parse_args(argv)
 
 

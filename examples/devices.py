@@ -46,8 +46,11 @@ def add_device_arguments(
     """The device flags. Without one: every local GPU when ``all_gpus_by_default`` and there
     is a GPU, else ``default_logical`` logical devices of the first device."""
     group = parser.add_mutually_exclusive_group()
+    unset = "every GPU, else --logical-devices" if all_gpus_by_default else "--logical-devices"
     group.add_argument(
-        "--devices", type=positive_int, help="train on N physical devices (GPUs when any)"
+        "--devices",
+        type=positive_int,
+        help=f"train on N physical devices, GPUs when any (default: {unset})",
     )
     group.add_argument(
         "--logical-devices",

@@ -50,8 +50,14 @@ from mirrored import checkpoint
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = example_parser(__doc__)
-    parser.add_argument("--data", type=Path, help="MNIST folder (IDX files) or mnist.npz")
-    parser.add_argument("--epochs", type=positive_int, default=10)
+    parser.add_argument(
+        "--data",
+        type=Path,
+        help="MNIST folder (IDX files) or mnist.npz (default: scikit-learn's 8x8 digits)",
+    )
+    parser.add_argument(
+        "--epochs", type=positive_int, default=10, help="passes over the training set"
+    )
     parser.add_argument(
         "--batch-size-per-replica",
         type=positive_int,
@@ -61,10 +67,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=0.1, help="SGD learning rate")
     parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
     parser.add_argument("--hidden", type=positive_int, default=64, help="units per hidden layer")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seeds the split, init and shuffling")
     parser.add_argument(
         "--checkpoint",
-        help="the chief saves the model here after every epoch ('{rank}' in it: every worker)",
+        help="the chief saves the model here after every epoch ('{rank}' in it: every worker; "
+        "default: not saved)",
     )
     return parser.parse_args(argv)
 

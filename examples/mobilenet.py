@@ -50,7 +50,12 @@ SPLIT_FRACTIONS = (0.8, 0.1, 0.1)  # train, val, test of a --data folder
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = example_parser(__doc__)
-    parser.add_argument("--data", type=Path, help="folder with one sub-folder of images per class")
+    parser.add_argument(
+        "--data",
+        type=Path,
+        help="folder with one sub-folder of images per class (default: crops of "
+        "scikit-learn's two sample photos)",
+    )
     parser.add_argument(
         "--image-size", type=int, help="image side in pixels (default: 224 with --data, else 64)"
     )

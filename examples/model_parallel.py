@@ -67,19 +67,35 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--microbatches", type=positive_int, default=4, help="micro-batches per pipeline and step"
     )
-    parser.add_argument("--schedule", choices=["gpipe", "1f1b"], default="gpipe")
+    parser.add_argument(
+        "--schedule",
+        choices=["gpipe", "1f1b"],
+        default="gpipe",
+        help="every forward then every backward (gpipe), or one forward one backward (1f1b)",
+    )
     parser.add_argument(
         "--recompute", action="store_true", help="recompute activations at the backward"
     )
     parser.add_argument("--fit", action="store_true", help="train with mirrored.Model.fit")
-    parser.add_argument("--data", type=Path, help="MNIST folder (IDX files) or mnist.npz")
-    parser.add_argument("--epochs", type=positive_int, default=10)
+    parser.add_argument(
+        "--data",
+        type=Path,
+        help="MNIST folder (IDX files) or mnist.npz (default: scikit-learn's 8x8 digits, "
+        "scaled to 28x28)",
+    )
+    parser.add_argument(
+        "--epochs", type=positive_int, default=10, help="passes over the training set"
+    )
     parser.add_argument("--batch-size", type=positive_int, default=64, help="global batch size")
     parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
     parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
-    parser.add_argument("--max-examples", type=positive_int, help="use this many training examples")
+    parser.add_argument(
+        "--max-examples", type=positive_int, help="use this many training examples (default: all)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seeds the split, init and shuffling")
-    parser.add_argument("--save", type=Path, help="write the trained model's state_dict here")
+    parser.add_argument(
+        "--save", type=Path, help="write the trained model's state_dict here (default: not saved)"
+    )
     args = parser.parse_args(argv)
     num_replicas = args.microbatches * args.pipelines
     if args.batch_size < num_replicas:

@@ -54,7 +54,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     cluster = parser.add_argument_group(
         "cluster (when neither TF_CONFIG nor a launcher's RANK/WORLD_SIZE is set)"
     )
-    cluster.add_argument("--worker-index", type=int, help="this worker's index, 0 is the chief")
+    cluster.add_argument(
+        "--worker-index",
+        type=int,
+        help="this worker's index, 0 is the chief (default: the cluster of TF_CONFIG or the "
+        "launcher; else one worker)",
+    )
     cluster.add_argument(
         "--num-workers", type=positive_int, default=2, help="workers in all (default 2)"
     )
@@ -62,7 +67,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--port", type=int, default=DEFAULT_PORT, help=f"worker 0's port (default {DEFAULT_PORT})"
     )
     model = parser.add_argument_group("model and data (examples/mobilenet.py's)")
-    model.add_argument("--data", type=Path, help="a folder with one sub-folder of images per class")
+    model.add_argument(
+        "--data",
+        type=Path,
+        help="a folder with one sub-folder of images per class (default: crops of "
+        "scikit-learn's two sample photos)",
+    )
     model.add_argument(
         "--image-size", type=positive_int, help="pixels a side (default: 224 with --data, else 64)"
     )
@@ -71,14 +81,25 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     model.add_argument("--bn-momentum", type=float, default=0.5, help="see build_model there")
     model.add_argument("--workers", type=int, default=2, help="--data decoding processes")
     training = parser.add_argument_group("training")
-    training.add_argument("--batch-size-per-replica", type=positive_int, default=64)
-    training.add_argument("--epochs", type=positive_int, default=5)
+    training.add_argument(
+        "--batch-size-per-replica",
+        type=positive_int,
+        default=64,
+        help="global batch = this x replicas of all workers",
+    )
+    training.add_argument(
+        "--epochs", type=positive_int, default=5, help="passes over the training set"
+    )
     training.add_argument("--lr", type=float, default=1e-3, help="Adam's learning rate")
     training.add_argument("--seed", type=int, default=0, help="seeds the data and the weights")
     training.add_argument("--verbose", type=int, choices=(0, 1, 2), help="fit's (default: auto)")
-    training.add_argument("--backup-dir", type=Path, help="BackupAndRestore's folder")
     training.add_argument(
-        "--save", help="the trained weights' file, the chief's ('{rank}' in it: every worker's)"
+        "--backup-dir", type=Path, help="BackupAndRestore's folder (default: no backups)"
+    )
+    training.add_argument(
+        "--save",
+        help="the trained weights' file, the chief's ('{rank}' in it: every worker's; "
+        "default: not saved)",
     )
     args = parser.parse_args(argv)
     if args.width_multiplier <= 0:

@@ -85,44 +85,68 @@ def launch(plan: LaunchPlan) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of ``mirrored launch`` and ``python -m mirrored.launch.launcher``."""
     flag = parser.add_argument
-    flag("--nproc-per-node", type=int, default=1, metavar="K", help="workers per node (1)")
-    flag("--nnodes", type=int, default=1, metavar="N", help="number of machines (1)")
-    flag("--node-rank", type=int, default=0, metavar="R", help="this machine's rank (0)")
+    flag(
+        "--nproc-per-node",
+        type=int,
+        default=1,
+        metavar="K",
+        help="workers per node (default: %(default)s)",
+    )
+    flag(
+        "--nnodes",
+        type=int,
+        default=1,
+        metavar="N",
+        help="number of machines (default: %(default)s)",
+    )
+    flag(
+        "--node-rank",
+        type=int,
+        default=0,
+        metavar="R",
+        help="this machine's rank (default: %(default)s)",
+    )
     flag(
         "--master-addr",
         default="127.0.0.1",
         metavar="ADDR",
-        help="node 0's address; its store listens there only (127.0.0.1)",
+        help="node 0's address; its store listens there only (default: %(default)s)",
     )
     flag(
         "--master-port",
         type=int,
         default=0,
         metavar="PORT",
-        help="the store's port; 0 picks a free one, with one node only (0)",
+        help="the store's port; 0 picks a free one, with one node only (default: %(default)s)",
     )
     flag(
         "--max-restarts",
         type=int,
         default=0,
         metavar="R",
-        help="restarts of the worker group after a failure (0)",
+        help="restarts of the worker group after a failure (default: %(default)s)",
     )
     flag(
         "--monitor-interval",
         type=float,
         default=0.1,
         metavar="S",
-        help="seconds between checks on the workers (0.1)",
+        help="seconds between checks on the workers (default: %(default)s)",
     )
     flag(
         "--num-ps",
         type=int,
         default=0,
         metavar="P",
-        help="a ParameterServerStrategy cluster: rank 0 the chief, the last P ranks ps tasks (0)",
+        help="a ParameterServerStrategy cluster: rank 0 the chief, the last P ranks ps tasks "
+        "(default: %(default)s)",
     )
-    flag("-m", dest="module", action="store_true", help="run SCRIPT as a module, like python -m")
+    flag(
+        "-m",
+        dest="module",
+        action="store_true",
+        help="run SCRIPT as a module, like python -m (default: as a file)",
+    )
     flag("script", help="the Python script (or, with -m, module) to run")
     flag("script_args", nargs=argparse.REMAINDER, help="the script's own arguments")
 
