@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
+import mirrored
 from mirrored import losses, metrics
 from tests import seeded_inputs as seeded
 
@@ -321,3 +323,46 @@ def test_a_metric_function_that_does_not_give_one_value_per_example_is_refused(r
     metric = metrics.MeanMetricWrapper(lambda y_true, y_pred: returned, name="mean_gap")
     with pytest.raises(ValueError, match=r"metric function 'mean_gap' returned .*one value per"):
         metric.update_state(torch.ones(4, 2), torch.zeros(4, 2))
+
+
+# -- updated inside the replica function ---------------------------------------------------------
+
+
+def _slow_add_sums(monkeypatch):
+    """Each add of running sums gives up the GIL midway, as a busy step's threads do: a
+    read-modify-write of the sums shared by the replicas then loses updates every time."""
+    add_sums = metrics.add_sums
+
+    def slow(own, state):
+        time.sleep(0.0002)
+        return add_sums(own, state)
+
+    monkeypatch.setattr(metrics, "add_sums", slow)
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+def test_update_state_inside_the_replica_function_is_exact(devices, monkeypatch):
+    """TensorFlow's tutorial pattern: ``train_accuracy.update_state(labels, predictions)`` in
+    the step given to ``strategy.run``, many steps: the single-device results."""
+    _slow_add_sums(monkeypatch)
+    steps = 40
+    batches = [(seeded.ids(13, classes=5), seeded.logits(13, 5)) for _ in range(steps)]
+    single = [metrics.SparseCategoricalAccuracy(), metrics.Mean()]
+    for y_true, y_pred in batches:
+        single[0].update_state(y_true, y_pred)
+        single[1].update_state(y_pred.logsumexp(-1))
+    replicated = [metrics.SparseCategoricalAccuracy(), metrics.Mean()]
+
+    def step(y_true, y_pred):
+        replicated[0].update_state(y_true, y_pred)
+        replicated[1].update_state(y_pred.logsumexp(-1))
+
+    with mirrored.MirroredStrategy([f"cpu:{i}" for i in range(devices)]) as strategy:
+        for number, batch in enumerate(strategy.experimental_distribute_dataset(batches)):
+            strategy.run(step, args=batch)
+            if number == 0:  # read between steps: every replica's update is in
+                assert replicated[0].state[1].item() == 13
+    assert replicated[0].state.tolist() == single[0].state.tolist()
+    assert replicated[0].result() == single[0].result()
+    assert replicated[1].state[1].item() == 13 * steps
+    assert_close(replicated[1].result(), single[1].result(), rtol=1e-12, atol=0)

@@ -8,16 +8,23 @@ kept in float64 so that an epoch of batches adds up without float32 rounding dri
 
 Keras's function forms (``sparse_categorical_accuracy(y_true, y_pred)`` and friends) give one
 value per example; ``compile(metrics=[fn])`` averages them, logged under the function's name.
+
+A metric updated inside a replica function (TensorFlow's ``train_accuracy.update_state(labels,
+predictions)`` in the step given to ``strategy.run``) keeps each replica's sums apart, so that
+threads never read and write the same sums; they are added in replica order when the metric is
+next read or updated outside the replicas, the same order whatever the thread timing.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from mirrored import losses
+from mirrored.core.context import current_replica_context
 from mirrored.losses.classes import function_name
 from mirrored.losses.functions import name_key
 from mirrored.losses.shapes import (
@@ -48,11 +55,17 @@ __all__ = [
 ]
 
 
+# Guards the swap of a metric's per-replica sums (held for a dict copy, never for an add).
+_REPLICA_SUMS_LOCK = threading.Lock()
+
+
 class Metric:
     """A metric as an additive state vector of ``num_state`` float64 sums.
 
-    ``batch_state`` is what replica threads call (pure, no grad, no host sync); ``merge_state``,
-    ``result``, ``reset_state`` and ``update_state`` belong to one thread, the caller's.
+    ``batch_state`` is pure (no grad, no host sync). ``update_state`` and ``merge_state`` may be
+    called from replica threads inside ``strategy.run``: each replica's sums are kept apart and
+    added, in replica order, when the metric is read (``result``, ``state``) or updated outside
+    the replicas. Read results outside the replica function.
     """
 
     num_state: int = 0
@@ -62,10 +75,12 @@ class Metric:
             raise TypeError(f"name={name!r}: expected a string or None")
         self.name = name if name is not None else type(self).__name__
         self._state: torch.Tensor | None = None
+        self._replica_sums: dict[int, torch.Tensor] = {}  # merged by replica threads, not added
 
     @property
     def state(self) -> torch.Tensor:
         """The merged sums so far (zeros after a reset), on the device of the merged states."""
+        self._add_replica_sums()
         if self._state is None:
             return torch.zeros(self.num_state, dtype=torch.float64)
         return self._state
@@ -76,6 +91,7 @@ class Metric:
         ``MetricSet`` keeps its metrics' sums as views of one vector), so it must already be
         float64 sums outside autograd, as ``merge_state`` would make them."""
         self._check_state(sums, "state")
+        self._take_replica_sums()  # replaced, with what replicas merged since the last read
         if sums.dtype != torch.float64 or sums.requires_grad:
             raise ValueError(
                 f"metric {self.name!r}: state got a {sums.dtype} tensor"
@@ -102,13 +118,45 @@ class Metric:
         stay on the first accelerator they meet, so merging never waits for the device."""
         self._check_state(state, "merge_state")
         state = state.detach().to(torch.float64)
+        replica = current_replica_context()
+        if replica is not None and replica.num_replicas_in_sync > 1:
+            self._merge_replica_state(replica.replica_id_in_sync_group, state)
+            return
+        self._add_replica_sums()
         own = self._state
         self._state = state.clone() if own is None else add_sums(own, state)
+
+    def _merge_replica_state(self, replica_id: int, state: torch.Tensor) -> None:
+        """Add ``state`` to replica ``replica_id``'s own sums, which only its thread writes.
+        The dict of sums is replaced, never changed in place, so that a copy of the metric
+        keeps its own."""
+        own = self.__dict__.get("_replica_sums", {}).get(replica_id)
+        mine = state.clone() if own is None else add_sums(own, state)
+        with _REPLICA_SUMS_LOCK:
+            sums = dict(self.__dict__.get("_replica_sums", {}))
+            sums[replica_id] = mine
+            self._replica_sums = sums
+
+    def _take_replica_sums(self) -> dict[int, torch.Tensor]:
+        """The replicas' sums merged since the last read, now this caller's to add."""
+        if not self.__dict__.get("_replica_sums"):
+            return {}
+        with _REPLICA_SUMS_LOCK:
+            sums, self._replica_sums = self._replica_sums, {}
+        return sums
+
+    def _add_replica_sums(self) -> None:
+        """The replicas' sums into the running sums, in replica order."""
+        sums = self._take_replica_sums()
+        for replica_id in sorted(sums):
+            own = self._state
+            self._state = sums[replica_id] if own is None else add_sums(own, sums[replica_id])
 
     def result(self) -> float:
         raise NotImplementedError(f"{type(self).__name__} must implement result")
 
     def reset_state(self) -> None:
+        self._take_replica_sums()
         self._state = None
 
     def update_state(self, *args: Any, sample_weight: Any = None) -> None:
@@ -126,6 +174,7 @@ class Metric:
                 f"metric {self.name!r}: load_state_dict expected {{'state': a tensor of "
                 f"{self.num_state} sums}} as state_dict() returns, got {state_dict!r}"
             )
+        self._take_replica_sums()
         self._state = state.detach().to("cpu", torch.float64).clone()
 
     def __repr__(self) -> str:
