@@ -7,6 +7,10 @@ width, with the ETA) that ends as the epoch's full line,
 in logs. ``verbose=2``: the line without the bar. ``verbose=0``: nothing.
 ``fit(verbose="auto")`` picks 1 on a terminal, else 2. Only the process that writes logs
 (``strategy.should_checkpoint``) prints.
+
+The full line goes on in indented lines where it would pass 100 columns (or a narrower
+terminal's width), broken between `` - name: value`` fields, never inside one: Keras prints one
+line of any length, which a terminal then breaks in the middle of a figure.
 """
 
 from __future__ import annotations
@@ -28,21 +32,41 @@ _BAR_WIDTH = 30
 # The size when the terminal reports none (a pseudo-terminal never sized says 0 x 0; tqdm then
 # draws nothing).
 _FALLBACK_SIZE = os.terminal_size((80, 24))
+# The widest a finished line gets before it goes on in the next.
+_LINE_WIDTH = 100
 
 
-def format_logs(logs: Logs) -> str:
+def _log_fields(logs: Logs) -> list[str]:
     """`` - name: value`` for each log, values as Keras prints them."""
-    parts = []
+    fields = []
     for name, value in logs.items():
         if name in _HIDDEN:
             continue
         if isinstance(value, float) and abs(value) <= 1e-3 and value != 0.0:
-            parts.append(f" - {name}: {value:.4e}")
+            fields.append(f" - {name}: {value:.4e}")
         elif isinstance(value, (int, float)):
-            parts.append(f" - {name}: {value:.4f}")
+            fields.append(f" - {name}: {value:.4f}")
         else:
-            parts.append(f" - {name}: {value}")
-    return "".join(parts)
+            fields.append(f" - {name}: {value}")
+    return fields
+
+
+def format_logs(logs: Logs) -> str:
+    """`` - name: value`` for each log, values as Keras prints them, on one line."""
+    return "".join(_log_fields(logs))
+
+
+def _wrap_fields(head: str, fields: list[str], width: int, indent: int) -> str:
+    """``head`` then ``fields``, broken between fields into lines of at most ``width``
+    characters, the lines after the first indented by ``indent`` spaces; a field wider than
+    that alone stays whole on its line."""
+    lines, line = [], head
+    for field in fields:
+        if len(line) + len(field) > width and line.strip():
+            lines.append(line)
+            line = " " * indent
+        line += field
+    return "\n".join([*lines, line])
 
 
 def _timing(seconds: float, steps: int) -> str:
@@ -58,10 +82,14 @@ def _bar(done: int, total: int | None) -> str:
     return f"{done}/{total} [{'=' * filled}{'.' * (_BAR_WIDTH - filled)}]"
 
 
+def _is_terminal(stream: TextIO) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty is not None and isatty())
+
+
 def _redraws(stream: TextIO) -> bool:
     """Whether ``\\r`` redraws a line of ``stream``: a terminal, or a notebook (Keras's rule)."""
-    isatty = getattr(stream, "isatty", None)
-    return bool(isatty is not None and isatty()) or "ipykernel" in sys.modules
+    return _is_terminal(stream) or "ipykernel" in sys.modules
 
 
 def _terminal_size(stream: TextIO) -> os.terminal_size:
@@ -81,6 +109,7 @@ class ProgbarLogger(Callback):
     def __init__(self) -> None:
         super().__init__()
         self._live: Any = None  # the tqdm bar being redrawn, on a terminal
+        self._wants_live = False  # drawn from the first batch, after the epoch's other output
         self._without_tqdm = False
         self._in_fit = False
         self._seen = 0
@@ -97,7 +126,13 @@ class ProgbarLogger(Callback):
         self._seen = 0
         self._start = time.perf_counter()
         self._live = None
-        if self._verbose != 1 or self._without_tqdm or not _redraws(sys.stdout):
+        self._wants_live = self._verbose == 1 and _redraws(sys.stdout)
+
+    def _draw_live(self) -> None:
+        """Start the live bar (at the first batch: what other callbacks print as the epoch
+        begins comes before it, not across it)."""
+        self._wants_live = False
+        if self._without_tqdm:
             return
         try:
             from tqdm import tqdm
@@ -125,6 +160,8 @@ class ProgbarLogger(Callback):
 
     def _advance(self, batch: int, logs: Logs | None) -> None:
         steps = batch + 1
+        if self._wants_live:
+            self._draw_live()
         if self._live is None:
             self._seen = steps
             return
@@ -144,12 +181,17 @@ class ProgbarLogger(Callback):
 
     def _close(self, logs: Logs | None) -> None:
         elapsed = time.perf_counter() - self._start
-        summary = _timing(elapsed, self._seen) + format_logs(logs or {})
+        fields = [_timing(elapsed, self._seen), *_log_fields(logs or {})]
         self._clear_live()
-        if self._verbose == 1:
-            print(_bar(self._seen, self.params.get("steps")) + summary, flush=True)
-        elif self._verbose == 2:
-            print(f"{self._seen}/{self._seen}{summary}", flush=True)
+        if self._verbose not in (1, 2):
+            return
+        total = (self.params.get("steps") if self._verbose == 1 else None) or self._seen
+        head = _bar(self._seen, total) if self._verbose == 1 else f"{self._seen}/{total}"
+        width = _LINE_WIDTH
+        if _is_terminal(sys.stdout):
+            width = min(width, _terminal_size(sys.stdout).columns)
+        # Lines after the first start under the bar, after the step count.
+        print(_wrap_fields(head, fields, width, len(f"{self._seen}/{total}")), flush=True)
 
     # -- hooks -------------------------------------------------------------------------------------
     def on_train_begin(self, logs: Logs | None = None) -> None:

@@ -133,19 +133,18 @@ class TrainingLoop(Protocol):
 def callback_list_for(
     model: Any, callbacks: Sequence[Callback] | None, verbose: int, with_history: bool
 ) -> CallbackList:
-    """History first, the user's callbacks, backups after them (so an epoch's backup has
-    what they recorded for it), the progress bar last."""
+    """The progress bar first (as in tf.keras: an epoch's line is out before what the user's
+    callbacks print at its end), History, the user's callbacks, backups after them (so an
+    epoch's backup has what they recorded for it)."""
     given = list(callbacks or [])
     if not all(isinstance(c, Callback) for c in given):
         CallbackList(given)  # raises the TypeError naming the wrong one
-    ordered: list[Callback] = []
+    ordered: list[Callback] = [ProgbarLogger()] if verbose else []
     if with_history:
         model.history = History()
         ordered.append(model.history)
     ordered += [c for c in given if not isinstance(c, BackupAndRestore)]
     ordered += [c for c in given if isinstance(c, BackupAndRestore)]
-    if verbose:
-        ordered.append(ProgbarLogger())
     callback_list = CallbackList(ordered)
     callback_list.set_model(model)
     return callback_list
