@@ -138,11 +138,7 @@ class Model:
         if self._replicas is not None:
             return self._replicas
         if lazy_build.has_lazy_parameters(self.module):
-            raise RuntimeError(
-                f"the module ({type(self.module).__name__}) has lazy parameters that are not "
-                "built yet; fit, evaluate and predict build them on their first batch (or call "
-                "the module once on an example batch before this)"
-            )
+            raise saved_state.not_built(self.module)
         if self._steps is None:
             self._replicas = self.strategy.mirror(self.module)
             return self._replicas

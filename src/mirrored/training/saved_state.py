@@ -30,6 +30,7 @@ __all__ = [
     "TrainingState",
     "check_training_state",
     "load_training_state",
+    "not_built",
     "refuse_non_finite",
     "training_state",
     "weights_in",
@@ -76,8 +77,20 @@ def training_state(parts: ModelParts) -> dict[str, Any]:
     }
 
 
+def not_built(module: Any) -> RuntimeError:
+    """The error of a load into a model whose lazy parameters wait for their first batch: there
+    is nothing of their shapes to load into yet."""
+    return RuntimeError(
+        f"the module ({type(module).__name__}) has lazy parameters that are not built yet; "
+        "fit, evaluate and predict build them on their first batch (or call the module once on "
+        "an example batch before this)"
+    )
+
+
 def load_training_state(parts: ModelParts, state: Any, source: str) -> None:
     """Restore what ``training_state`` returned, all or nothing."""
+    if parts.replicas is None:  # compiled with lazy parameters, not built yet
+        raise not_built(parts.module)
     scheduler = parts.steps.lr_scheduler
     checked = check_training_state(state, parts.replicas, parts.torch_optimizer, scheduler, source)
     parts.optimizer.load_state_dict(checked.optimizer)

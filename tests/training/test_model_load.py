@@ -1,0 +1,44 @@
+"""Model.load into a model whose lazy layers are not built yet: the clear error load_weights
+gives (not an AttributeError from deep inside), and a load once they are built."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.testing import assert_close
+
+import mirrored
+
+
+def _lazy_model() -> mirrored.Model:
+    torch.manual_seed(0)
+    model = mirrored.Model(nn.Sequential(nn.LazyLinear(8), nn.ReLU(), nn.LazyLinear(3)))
+    model.compile(optimizer="adam", loss=mirrored.losses.SparseCategoricalCrossentropy(True))
+    return model
+
+
+def test_load_into_an_unbuilt_lazy_model_says_so_as_load_weights_does(tmp_path):
+    x, y = torch.randn(16, 5), torch.randint(0, 3, (16,))
+    with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy, strategy.scope():
+        built = _lazy_model()
+        built.fit(x, y, batch_size=8, verbose=0)
+        built.save(tmp_path / "model.pt")
+        built.save_weights(tmp_path / "weights.pt")
+        saved = {k: v.clone() for k, v in built.state_dict().items()}
+
+        unbuilt = _lazy_model()
+        errors = []
+        for load in (
+            lambda: unbuilt.load(tmp_path / "model.pt"),
+            lambda: unbuilt.load_weights(tmp_path / "weights.pt"),
+            lambda: unbuilt.load_training_state(built.training_state()),
+        ):
+            with pytest.raises(RuntimeError, match=r"lazy parameters that are not built yet") as e:
+                load()
+            errors.append(str(e.value))
+        assert len(set(errors)) == 1 and "Sequential" in errors[0]
+
+        unbuilt.evaluate(x, y, verbose=0)  # builds it on its first batch
+        unbuilt.load(tmp_path / "model.pt")
+        assert_close(unbuilt.state_dict(), saved, rtol=0, atol=0)
