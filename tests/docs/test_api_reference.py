@@ -46,3 +46,14 @@ def test_every_reference_entry_names_something_that_exists() -> None:
             if not hasattr(module, attribute):
                 unknown.append(identifier)
     assert not unknown, unknown
+
+
+def test_the_strategies_page_opens_with_what_users_create() -> None:
+    """The contract (for whoever writes a strategy) comes after the strategies users create."""
+    page = (API_PAGES / "strategies.md").read_text()
+    names = [e.rsplit(".", 1)[1] for e in re.findall(r"^::: (\S+)$", page, re.MULTILINE)]
+    assert names[0] == "MirroredStrategy", names
+    assert names[-2:] == ["Strategy", "InProcessStrategy"], names
+    created = ["MultiWorkerMirroredStrategy", "ParameterServerStrategy", "PipelineStrategy"]
+    assert all(n in names[:-2] for n in created), names
+    assert "[mirrored.Model]" in page.split("\n::: ", 1)[0], "link the Model before the entries"
