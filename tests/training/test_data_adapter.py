@@ -39,6 +39,15 @@ def test_numpy_float64_becomes_float32_and_structures_are_kept() -> None:
     assert weight.dtype == torch.float32 and batch_y.shape == (6,)
 
 
+@pytest.mark.usefixtures("float64")
+def test_float64_stays_float64_where_it_is_torch_s_default_dtype() -> None:
+    """Keras converts arrays to its floatx; torch's default dtype is ours: a program that set
+    float64 trains its float64 model on float64 arrays."""
+    x, y, weight = np.zeros((4, 2)), np.zeros((4, 1)), np.ones(4)
+    (batch_x, _, weight), *_ = DataAdapter(x, y, weight, batch_size=4).epoch()
+    assert batch_x.dtype == torch.float64 and weight.dtype == torch.float64
+
+
 def test_skip_resumes_mid_epoch_and_on_ready_runs_before_the_next_batch() -> None:
     x, y = torch.arange(10.0).reshape(10, 1), torch.arange(10)
     events: list[str] = []

@@ -44,11 +44,12 @@ def _is_array_structure(value: Any) -> bool:
 
 
 def _as_tensor(value: Any) -> Any:
-    """numpy -> torch; float64 becomes float32, the models' dtype (Keras converts to floatx)."""
+    """numpy -> torch; float64 becomes torch's default dtype, float32 unless a program set
+    another (Keras converts to floatx, its default dtype)."""
     if isinstance(value, np.ndarray):
         value = torch.from_numpy(np.ascontiguousarray(value))
     if isinstance(value, torch.Tensor) and value.dtype == torch.float64:
-        value = value.float()
+        value = value.to(torch.get_default_dtype())
     return value
 
 
