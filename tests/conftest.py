@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from mirrored import config
+from tests.exactness import float64  # noqa: F401  (a fixture for every test module)
 
 NUM_LOGICAL_CPUS = 4
 

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mirrored
+from tests.exactness import assert_close_float64
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -160,12 +161,17 @@ def replica_step(
 
 
 def assert_same_parameters(
-    expected: nn.Module, actual: nn.Module, rtol: float = 1e-5, atol: float = 1e-6
+    expected: nn.Module, actual: nn.Module, rtol: float | None = None, atol: float | None = None
 ) -> None:
+    """The same state, to float64's reordering (``tests.exactness``); an explicit ``rtol`` and
+    ``atol`` make it an approximate comparison, whose reason the caller states."""
     for (name, a), b in zip(
         expected.state_dict().items(), actual.state_dict().values(), strict=True
     ):
-        torch.testing.assert_close(b.cpu(), a.cpu(), rtol=rtol, atol=atol, msg=name)
+        if rtol is None or atol is None:
+            assert_close_float64(b, a, msg=name)
+        else:
+            torch.testing.assert_close(b.cpu(), a.cpu(), rtol=rtol, atol=atol, msg=name)
 
 
 def assert_replicas_identical(model: mirrored.MirroredModule) -> None:
@@ -182,4 +188,4 @@ def assert_same_state(expected: dict, actual: dict) -> None:
     for index, state in expected["state"].items():
         assert sorted(actual["state"][index]) == sorted(state)
         for key, value in state.items():
-            torch.testing.assert_close(actual["state"][index][key], value, rtol=1e-5, atol=1e-6)
+            assert_close_float64(actual["state"][index][key], value)

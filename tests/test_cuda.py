@@ -10,6 +10,7 @@ import torch
 
 import mirrored
 from mirrored import config
+from tests.exactness import assert_close_float64
 from tests.reference_loops import (
     OPTIMIZERS,
     assert_replicas_identical,
@@ -20,7 +21,7 @@ from tests.reference_loops import (
     train_plain,
 )
 
-pytestmark = pytest.mark.cuda
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("float64")]  # float64: no TF32 either
 
 
 def _split_first_gpu(count, memory_limit=None):
@@ -89,4 +90,4 @@ def test_zero_on_logical_gpus_matches_one_gpu_with_1_over_n_of_the_state(fresh_c
     for index, expected in plain.state_dict()["state"].items():
         for key, value in expected.items():
             assert state[index][key].device == value.device, (index, key)
-            torch.testing.assert_close(state[index][key], value, rtol=1e-5, atol=1e-6)
+            assert_close_float64(state[index][key], value)

@@ -18,6 +18,8 @@ from tests.reference_loops import (
     train_plain,
 )
 
+pytestmark = pytest.mark.usefixtures("float64")  # exactness in float64: tests/exactness.py
+
 
 def make_lazy_mlp() -> nn.Module:
     torch.manual_seed(1)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mirrored
+from tests.exactness import assert_close_float64
 from tests.reference_loops import (
     assert_replicas_identical,
     assert_same_parameters,
@@ -23,6 +24,8 @@ from tests.reference_loops import (
     train_mirrored,
     train_plain,
 )
+
+pytestmark = pytest.mark.usefixtures("float64")  # exactness in float64: tests/exactness.py
 
 
 class CentredMLP(nn.Module):
@@ -83,4 +86,4 @@ def test_the_average_is_used_by_evaluation_on_the_mirrored_model():
             loss = F.cross_entropy(model(x), y)
     expected.eval()
     with torch.no_grad():
-        torch.testing.assert_close(loss, F.cross_entropy(expected(x), y), rtol=1e-5, atol=1e-6)
+        assert_close_float64(loss, F.cross_entropy(expected(x), y))

@@ -13,6 +13,8 @@ import pytest
 import torch
 from mirrored.examples import bert_mlm
 
+from tests.exactness import assert_close_float64
+
 SPECIAL = (0, 1, 2, 3, 4)  # [PAD] [UNK] [CLS] [SEP] [MASK]
 PAD, CLS, SEP, MASK = 0, 2, 3, 4
 
@@ -203,6 +205,7 @@ def test_help_and_bad_flags(capsys):
     assert "--batch-size 0: expected a positive integer" in capsys.readouterr().err
 
 
+@pytest.mark.usefixtures("float64")
 def test_bert_layer_computes_torch_s_transformer_encoder_layer():
     torch.manual_seed(0)
     ours = bert_mlm.BertLayer(32, 4, 64, dropout=0.1).eval()
@@ -226,4 +229,4 @@ def test_bert_layer_computes_torch_s_transformer_encoder_layer():
     attention_mask[1, 6:] = 0
     expected = torch_s(hidden, src_key_padding_mask=attention_mask == 0)
     actual = ours(hidden, (attention_mask != 0)[:, None, None, :])
-    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+    assert_close_float64(actual, expected)

@@ -21,6 +21,8 @@ from tests.reference_loops import (
     train_plain,
 )
 
+pytestmark = pytest.mark.usefixtures("float64")  # exactness in float64: tests/exactness.py
+
 DEVICES = ["cpu:0", "cpu:1"]
 
 

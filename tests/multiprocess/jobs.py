@@ -734,6 +734,7 @@ def main() -> None:
     config.set_logical_device_configuration(
         config.list_physical_devices("CPU")[0], [config.LogicalDeviceConfiguration()] * logical
     )
+    torch.set_default_dtype(getattr(torch, os.environ.get("MIRRORED_TEST_DTYPE", "float32")))
     torch.manual_seed(0)
     JOBS[job](Path(out), *args)
 

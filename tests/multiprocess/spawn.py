@@ -23,6 +23,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
+
 from tests.multiprocess.fork_server import RUN_TIME_VARIABLES, ForkedProcess, ForkServer, forkable
 
 REPO = Path(__file__).resolve().parents[2]
@@ -68,10 +70,11 @@ def cluster_ports(first: int, count: int) -> tuple[int, ...]:
 
 
 def program_env(logical_devices: int = 1) -> dict[str, str]:
-    """A test program's environment: this process's, less any cluster, with one torch thread
-    and the repository importable."""
+    """A test program's environment: this process's, less any cluster, with one torch thread,
+    the repository importable and this process's default dtype (float64 in exactness tests)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "TF_CONFIG")}
     env.update(OMP_NUM_THREADS="1", MIRRORED_TEST_LOGICAL_DEVICES=str(logical_devices))
+    env["MIRRORED_TEST_DTYPE"] = str(torch.get_default_dtype()).removeprefix("torch.")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     return env
 

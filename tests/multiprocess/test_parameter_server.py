@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.exactness import assert_close_float64
 from tests.multiprocess.parameter_server_jobs import make_model, plain_digits_accuracy, plain_rounds
 from tests.multiprocess.spawn import (
     Worker,
@@ -33,13 +34,14 @@ def test_asynchronous_training_reaches_the_synchronous_accuracy_on_digits(
     assert result["losses"][-20:].mean() < result["losses"][:20].mean() / 4
 
 
+@pytest.mark.usefixtures("float64")  # exactness in float64: tests/exactness.py
 def test_synchronous_rounds_equal_one_averaged_step_per_round(tmp_path: Path) -> None:
     workers = run_workers("synchronous_rounds", tmp_path, 5, cluster="ps:2:2", timeout=120)
     assert_all_succeeded(workers)
     result = torch.load(tmp_path / "chief.pt", weights_only=True)
-    torch.testing.assert_close(result["losses"], result["reference_losses"], rtol=1e-5, atol=1e-6)
+    assert_close_float64(result["losses"], result["reference_losses"])
     for name, value in result["reference"].items():
-        torch.testing.assert_close(result["weights"][name], value, rtol=1e-5, atol=1e-6)
+        assert_close_float64(result["weights"][name], value)
 
 
 def test_a_checkpoint_restores_in_the_job_and_resumes_in_a_new_one(tmp_path: Path) -> None:

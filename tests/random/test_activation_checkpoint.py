@@ -19,7 +19,10 @@ from torch.utils.checkpoint import (
 
 import mirrored
 from mirrored.random import activation_checkpoint, torch_compat
+from tests.exactness import assert_close_float64
 from tests.reference_loops import make_batches, train_mirrored
+
+pytestmark = pytest.mark.usefixtures("float64")  # exactness in float64: tests/exactness.py
 
 
 def _policy(ctx, op, *args, **kwargs):  # type: ignore[no-untyped-def]
@@ -112,7 +115,7 @@ def test_checkpointed_training_on_logical_gpus_equals_training_without(fresh_con
     plain, _ = _train(["cuda:0", "cuda:1"], None)
     checkpointed, _ = _train(["cuda:0", "cuda:1"], CHECKPOINTS[kind])
     for name, value in plain.items():  # other masks would be 0.05 off
-        torch.testing.assert_close(checkpointed[name], value, rtol=1e-6, atol=1e-7)
+        assert_close_float64(checkpointed[name], value)
 
 
 def _bert_config():
@@ -238,7 +241,7 @@ def _train_checkpointed(checkpointed: bool) -> dict[str, torch.Tensor]:
 def test_activation_checkpointing_recomputes_with_the_forward_s_dropout_masks():
     plain, checkpointed = _train_checkpointed(False), _train_checkpointed(True)
     for name, value in plain.items():
-        torch.testing.assert_close(checkpointed[name], value, rtol=1e-6, atol=1e-7)
+        assert_close_float64(checkpointed[name], value)
 
 
 def _checkpoint_twice() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -11,7 +11,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import mirrored
+from tests.exactness import assert_close_float64
 from tests.reference_loops import assert_replicas_identical, make_batches, replica_step
+
+pytestmark = pytest.mark.usefixtures("float64")  # exactness in float64: tests/exactness.py
 
 
 class WithEMA(nn.Module):
@@ -62,7 +65,7 @@ def test_a_moving_average_is_averaged_and_counters_follow_their_aggregation(devi
         _train(strategy, model, optimizer, batches)
     assert_replicas_identical(model)
     state = model.state_dict()
-    torch.testing.assert_close(state["ema"], expected.ema, rtol=1e-5, atol=1e-6)
+    assert_close_float64(state["ema"], expected.ema)
     assert state["calls"].item() == expected.calls.item() == 6  # the same on every replica
     assert state["examples"].item() == expected.examples.item() == 96  # the shards' counts added
     torch.testing.assert_close(state["linear.weight"], expected.linear.weight)

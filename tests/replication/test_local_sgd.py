@@ -21,6 +21,8 @@ from tests.reference_loops import (
     train_plain,
 )
 
+pytestmark = pytest.mark.usefixtures("float64")  # exactness in float64: tests/exactness.py
+
 DEVICES = ["cpu:0", "cpu:1", "cpu:2", "cpu:3"]
 
 
@@ -160,6 +162,7 @@ def test_clipping_in_a_local_update_clips_the_shard_s_mean_gradient() -> None:
             torch.testing.assert_close(value, (replayed[0][name] + replayed[1][name]) / 2)
 
 
+@pytest.mark.float32  # the digits as the example reads them
 def test_local_sgd_converges_on_the_digits_close_to_synchronous_training() -> None:
     sklearn = pytest.importorskip("sklearn.datasets")
     digits = sklearn.load_digits()

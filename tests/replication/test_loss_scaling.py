@@ -19,6 +19,8 @@ from tests.reference_loops import (
     make_mlp,
 )
 
+pytestmark = pytest.mark.usefixtures("float64")  # exactness in float64: tests/exactness.py
+
 VOCAB, LENGTH, IGNORE = 11, 6, -100
 
 

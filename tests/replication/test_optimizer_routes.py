@@ -23,6 +23,8 @@ from tests.reference_loops import (
     make_mlp,
 )
 
+pytestmark = pytest.mark.usefixtures("float64")  # exactness in float64: tests/exactness.py
+
 DEVICES = ["cpu:0", "cpu:1", "cpu:2"]
 
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 import mirrored
 from mirrored.replication.sharded_update import assign_owners
+from tests.exactness import assert_close_float64
 from tests.reference_loops import OPTIMIZERS, make_batches, make_mlp, train_mirrored, train_plain
+
+pytestmark = pytest.mark.usefixtures("float64")  # exactness in float64: tests/exactness.py
 
 
 def test_owners_are_balanced_largest_first():
@@ -41,7 +43,7 @@ def test_state_is_one_copy_shared_by_every_replica_and_state_dict_is_complete(na
     assert expected["state"].keys() == actual["state"].keys()
     for index, state in expected["state"].items():
         for key, value in state.items():
-            torch.testing.assert_close(actual["state"][index][key], value, rtol=1e-5, atol=1e-6)
+            assert_close_float64(actual["state"][index][key], value)
 
 
 def test_unknown_optimizers_update_in_full_on_every_replica():

@@ -28,6 +28,8 @@ from tests.reference_loops import (
     train_plain,
 )
 
+pytestmark = pytest.mark.usefixtures("float64")  # exactness in float64: tests/exactness.py
+
 F32, F64 = torch.float32, torch.float64
 
 
@@ -246,6 +248,7 @@ def test_a_dtype_with_no_elements_moves_nothing() -> None:
     assert empty.layout.segment == 0 and empty.chunk == 1 and empty.ranges() == []
 
 
+@pytest.mark.float32  # float32 beside float64 parameters
 def test_a_module_is_described_by_its_sizes_and_where_the_optimizer_holds_it() -> None:
     first, frozen, second = nn.Linear(3, 2), nn.Linear(2, 2), nn.Linear(2, 1).double()
     frozen.requires_grad_(False)

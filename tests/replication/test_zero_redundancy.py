@@ -15,6 +15,7 @@ from torch import nn
 import mirrored
 from mirrored.core.rendezvous import ReplicaExchange
 from mirrored.replication.sharded_update import state_bytes
+from tests.exactness import assert_close_float64
 from tests.reference_loops import (
     CROSS_DEVICE_OPS,
     Batch,
@@ -31,7 +32,14 @@ from tests.reference_loops import (
     train_plain,
 )
 
+pytestmark = pytest.mark.usefixtures("float64")  # exactness in float64: tests/exactness.py
+
 DEVICES = ["cpu:0", "cpu:1", "cpu:2", "cpu:3"]
+
+
+def _step_bytes() -> int:
+    """An optimizer's step count: a tensor of the default dtype."""
+    return torch.get_default_dtype().itemsize
 
 
 def sgd_momentum(model: nn.Module) -> torch.optim.Optimizer:
@@ -42,10 +50,10 @@ def assert_sharded_state(
     plain: torch.optim.Optimizer, optimizer: mirrored.MirroredOptimizer, num_replicas: int
 ) -> None:
     """Every element's state lives on one replica only (a parameter cut between replicas keeps
-    a 4-byte step count in each piece), 1/N each, and it joins back into the plain state."""
+    a step count in each piece), 1/N each, and it joins back into the plain state."""
     whole = sum(state_bytes([plain]))
     shares = optimizer.state_bytes()
-    assert whole <= sum(shares) <= whole + 4 * (num_replicas - 1)
+    assert whole <= sum(shares) <= whole + _step_bytes() * (num_replicas - 1)
     assert max(shares) <= whole / num_replicas * 1.05, shares
     assert_same_state(plain.state_dict(), optimizer.state_dict())
 
@@ -166,7 +174,7 @@ def test_stage_2_leaves_each_reduced_gradient_on_its_owner_only() -> None:
                 assert not held, name  # a cut one's ranges went to its owners' pieces
                 continue
             assert len(held) == 1, f"{name}: held by {len(held)} replicas"
-            torch.testing.assert_close(held[0], reference.grad, rtol=1e-5, atol=1e-7)
+            assert_close_float64(held[0], reference.grad)
 
 
 def test_state_dict_round_trip_resumes_the_same_training(tmp_path: Path) -> None:
@@ -187,7 +195,7 @@ def test_state_dict_round_trip_resumes_the_same_training(tmp_path: Path) -> None
         resumed_model, resumed_optimizer = strategy.mirror(resumed, adamw(resumed))
         resumed_optimizer.load_state_dict(optimizer_state)
         whole = sum(state_bytes([expected_optimizer]))
-        assert whole <= sum(resumed_optimizer.state_bytes()) <= whole + 4 * 2
+        assert whole <= sum(resumed_optimizer.state_bytes()) <= whole + _step_bytes() * 2
         for batch in strategy.experimental_distribute_dataset(second):
             strategy.run(_replica_step, (batch, resumed_model, resumed_optimizer))
         assert_same_parameters(expected, resumed_model.module)

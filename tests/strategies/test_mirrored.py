@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import mirrored
+from tests.exactness import assert_close_float64
 from tests.reference_loops import (
     CROSS_DEVICE_OPS,
     OPTIMIZERS,
@@ -16,6 +17,8 @@ from tests.reference_loops import (
     train_mirrored,
     train_plain,
 )
+
+pytestmark = pytest.mark.usefixtures("float64")  # exactness in float64: tests/exactness.py
 
 
 @pytest.mark.parametrize("num_replicas", [1, 2, 3, 4])
@@ -35,7 +38,7 @@ def test_matches_single_device_with_ragged_last_batch(num_replicas, optimizer_na
 
     assert_same_parameters(reference, mirrored_model)
     assert_replicas_identical(mirrored_model)
-    torch.testing.assert_close(losses, reference_losses, rtol=1e-5, atol=1e-6)
+    assert_close_float64(losses, reference_losses)
 
 
 def test_batches_smaller_than_replica_count_give_empty_shards():

@@ -17,6 +17,7 @@ from mirrored.cluster.resolvers import ClusterResolver
 from mirrored.comm.options import choose_backend
 from mirrored.config import LogicalDevice, PhysicalDevice
 from mirrored.strategies.multi_worker import local_share
+from tests.exactness import assert_close_float64
 from tests.reference_loops import (
     OPTIMIZERS,
     assert_replicas_identical,
@@ -26,6 +27,8 @@ from tests.reference_loops import (
     train_mirrored,
     train_plain,
 )
+
+pytestmark = pytest.mark.usefixtures("float64")  # exactness in float64: tests/exactness.py
 
 
 @pytest.fixture
@@ -162,7 +165,7 @@ def _compare(strategy: mirrored.Strategy, step: Step, steps: int = 3, seed: int 
             if expected.grad is None:
                 assert actual.grad is None, name
             else:
-                torch.testing.assert_close(actual.grad, expected.grad, rtol=1e-5, atol=1e-6)
+                assert_close_float64(actual.grad, expected.grad)
 
 
 def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -357,7 +360,7 @@ def test_mirroring_again_hands_the_parameters_to_the_new_optimizer(
 
     strategy.run(step, args=next(iter(strategy.experimental_distribute_dataset([(x, y)]))))
     for expected, actual in zip(reference.parameters(), model.module.parameters(), strict=True):
-        torch.testing.assert_close(actual.grad, expected.grad, rtol=1e-5, atol=1e-6)
+        assert_close_float64(actual.grad, expected.grad)
 
 
 def test_backward_outside_run_is_not_reduced(
@@ -387,5 +390,5 @@ def test_fit_on_a_single_worker_equals_one_device() -> None:
     with strategy, strategy.scope():
         weights, losses = fit(mirrored.Model(make_mlp()))
     for name, value in expected_weights.items():
-        torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-6)
+        assert_close_float64(weights[name], value)
     assert losses == pytest.approx(expected_losses, rel=1e-5)

@@ -14,6 +14,7 @@ from torch.nn.utils import clip_grad_norm_
 
 import mirrored
 from mirrored.pipeline.split import StageShapeError
+from tests.exactness import assert_close_float64
 from tests.reference_loops import (
     OPTIMIZERS,
     assert_replicas_identical,
@@ -23,6 +24,8 @@ from tests.reference_loops import (
     train_mirrored,
     train_plain,
 )
+
+pytestmark = pytest.mark.usefixtures("float64")  # exactness in float64: tests/exactness.py
 
 THREE = ["cpu:0", "cpu:1", "cpu:2"]
 
@@ -45,7 +48,7 @@ def test_equals_the_plain_loop(schedule, recompute, optimizer):
         model, _, losses = train_mirrored(strategy, net, OPTIMIZERS[optimizer](net), batches)
         timelines = strategy.stage_timelines()
     assert_same_parameters(expected, net)
-    torch.testing.assert_close(losses, plain_losses, rtol=1e-5, atol=1e-6)
+    assert_close_float64(losses, plain_losses)
     assert model.module is net
     # The last run (the ragged batch) ran 4 forwards and 4 backwards on each of the 3 stages.
     assert [[len(stage.ops) for stage in pipeline] for pipeline in timelines] == [[8, 8, 8]]
@@ -94,6 +97,7 @@ def test_balance_by_time_and_by_parameters_give_valid_splits():
     assert ranges == [(0, 2), (2, 4), (4, 6)]  # equal parameter counts: two layers each
 
 
+@pytest.mark.float32  # counts float32 bytes
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_activation_memory_per_stage_follows_the_schedule(schedule):
     # Three equal stages, 8 equal micro-batches: a micro-batch keeps the stage input (which the
@@ -151,7 +155,7 @@ def test_gradients_without_a_step_reach_param_grad_at_the_end_of_the_run():
             batch = next(iter(strategy.experimental_distribute_dataset([(x, y)])))
             strategy.run(backward_only, args=(batch,))
     for a, b in zip(expected.parameters(), net.parameters(), strict=True):
-        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6)
+        assert_close_float64(b.grad, a.grad)
 
 
 CLIPS = {
@@ -199,7 +203,7 @@ def test_fit_evaluate_predict_unchanged():
         evaluated = model.evaluate(x, y, batch_size=32, verbose=0, return_dict=True)
         predicted = model.predict(x, batch_size=32, verbose=0)
     for key in expected:
-        torch.testing.assert_close(history[key], expected[key], rtol=1e-5, atol=1e-6)
+        assert_close_float64(history[key], expected[key])
     assert_same_parameters(reference.module, model.module)
     plain = reference.evaluate(x, y, batch_size=32, verbose=0, return_dict=True)
     for key in plain:

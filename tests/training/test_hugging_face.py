@@ -17,6 +17,8 @@ import mirrored
 from mirrored.training.steps import shifts_labels, targets_of
 from tests.reference_loops import assert_replicas_identical, assert_same_parameters
 
+pytestmark = pytest.mark.usefixtures("float64")  # exactness in float64: tests/exactness.py
+
 transformers = pytest.importorskip("transformers")
 
 VOCAB, SEQUENCE, NUM_EXAMPLES, BATCH = 40, 8, 22, 8  # batches of 8, 8, 6: uneven shards
@@ -124,7 +126,7 @@ def test_a_masked_lm_fits_on_its_own_loss_as_on_one_device(num_replicas: int) ->
         model = own_loss_model(strategy, module)
         # Dict arrays without y: the labels travel in x.
         history = model.fit(inputs, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
-        assert_same_parameters(reference, model.module, rtol=1e-5, atol=1e-5)
+        assert_same_parameters(reference, model.module)
         if num_replicas > 1:
             assert_replicas_identical(model._replicas)
     # The logged loss is the mean over the epoch's labels, what one device reports.
@@ -140,7 +142,7 @@ def test_a_causal_lm_fits_from_dict_batches_as_on_one_device(num_replicas: int) 
     with strategy_for(num_replicas) as strategy:
         model = own_loss_model(strategy, module)
         history = model.fit(causal_lm_batches(), epochs=2, verbose=0)  # batches are dicts
-        assert_same_parameters(reference, model.module, rtol=1e-5, atol=1e-5)
+        assert_same_parameters(reference, model.module)
     assert history.history["loss"] == pytest.approx(expected_losses, rel=1e-5)
 
 
@@ -170,7 +172,7 @@ def test_a_causal_lm_s_own_loss_counts_its_shifted_labels(num_replicas: int) -> 
     with strategy_for(num_replicas) as strategy:
         model = own_loss_model(strategy, module)
         history = model.fit(batch, batch_size=BATCH, shuffle=False, verbose=0)
-        assert_same_parameters(reference, model.module, rtol=1e-5, atol=1e-6)
+        assert_same_parameters(reference, model.module)
     assert history.history["loss"] == pytest.approx([out.loss.item()], rel=1e-5)
 
 

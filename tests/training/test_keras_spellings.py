@@ -14,6 +14,8 @@ from torch import nn
 import mirrored
 from tests.reference_loops import assert_replicas_identical, assert_same_parameters, make_mlp
 
+pytestmark = pytest.mark.usefixtures("float64")  # exactness in float64: tests/exactness.py
+
 NUM_EXAMPLES, BATCH, FEATURES, CLASSES = 70, 16, 12, 5
 
 
@@ -186,7 +188,10 @@ def test_uint8_images_are_cast_to_the_model_dtype_and_token_ids_are_not() -> Non
     as_uint8, as_float = _Images(), _Images()
     with strategy_for(2) as strategy:
         models = []
-        for module, image_input in ((as_uint8, images), (as_float, images.float())):
+        for module, image_input in (
+            (as_uint8, images),
+            (as_float, images.to(torch.get_default_dtype())),
+        ):
             with strategy.scope():
                 model = mirrored.Model(module)
                 model.compile(

@@ -10,6 +10,8 @@ from torch import nn
 import mirrored
 from tests.reference_loops import assert_replicas_identical, assert_same_parameters
 
+pytestmark = pytest.mark.usefixtures("float64")  # exactness in float64: tests/exactness.py
+
 NUM_EXAMPLES, BATCH, FEATURES, CLASSES = 70, 16, 12, 5
 
 

@@ -17,6 +17,8 @@ import mirrored
 from mirrored import checkpoint
 from tests.reference_loops import assert_replicas_identical, assert_same_parameters, make_mlp
 
+pytestmark = pytest.mark.usefixtures("float64")  # exactness in float64: tests/exactness.py
+
 NUM_EXAMPLES, BATCH, FEATURES, CLASSES = 203, 16, 12, 5  # 203 = 12 * 16 + 11: a ragged last batch
 
 
@@ -223,7 +225,7 @@ def test_numpy_arrays_and_validation() -> None:
     with strategy_for(2) as strategy:
         model = compiled(strategy, make_mlp(FEATURES, CLASSES), metrics=["accuracy"])
         history = model.fit(
-            x.double().numpy(),  # float64 arrays become float32, as Keras does
+            x.double().numpy(),  # float64 arrays become the default dtype, as Keras's floatx
             y.numpy(),
             batch_size=BATCH,
             epochs=3,
@@ -297,6 +299,7 @@ def test_epoch_logs_hold_the_learning_rate_of_the_next_update(driver: str) -> No
     assert model.learning_rate == pytest.approx(0.001)
 
 
+@pytest.mark.float32
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
 def test_mixed_precision_trains_with_float32_master_weights(precision: str) -> None:
     x, y, _ = data()
@@ -314,6 +317,7 @@ def test_mixed_precision_trains_with_float32_master_weights(precision: str) -> N
     assert_same_parameters(reference, model.module, rtol=0.1, atol=0.05)
 
 
+@pytest.mark.float32
 def test_float16_overflow_skips_the_update_on_every_replica() -> None:
     x, y, _ = data()
     with strategy_for(2) as strategy:
@@ -460,6 +464,7 @@ def test_default_strategy_outside_any_scope() -> None:
     assert_same_parameters(reference, module)
 
 
+@pytest.mark.float32  # float32 arrays, as a Keras program has them
 def test_names_resolve_to_keras_objects() -> None:
     x = np.random.default_rng(0).normal(size=(40, FEATURES)).astype(np.float32)
     y = (x[:, 0] > 0).astype(np.float32).reshape(-1, 1)
