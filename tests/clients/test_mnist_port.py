@@ -27,7 +27,7 @@ from torch.utils.data import TensorDataset
 
 import mirrored
 from tests.clients import mnist_port, mnist_upstream
-from tests.reference_loops import assert_same_parameters
+from tests.exactness import REORDERING_FACTOR, assert_within_reordering, sharded_forward
 
 PORTING_PAGE = Path(__file__).parents[2] / "docs" / "migrating" / "from-pytorch.md"
 TRAIN_LINE = re.compile(r"Train Epoch: (\d+) \[(\d+)/(\d+) \((\d+)%\)\]\tLoss: (\d+\.\d+)")
@@ -75,32 +75,50 @@ def without_dropout() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def datasets() -> tuple[TensorDataset, TensorDataset]:
-    """90 training examples (batches of 64 and a ragged 26) on which the plain program agrees
-    with itself in float64 to 1e-7, and 100 test examples. On other slices the float32 rounding
-    of the plain program alone moves its parameters by up to 5e-5 in these 4 steps of Adadelta
-    at lr=1.0, which would hide what the comparison measures."""
+    """90 training examples (batches of 64 and a ragged 26) and 100 test examples."""
     return _digits(200, 290), _digits(1000, 1100)
+
+
+def _run_upstream(datasets, num_shards: int = 1) -> tuple[nn.Module, list[str]]:
+    """upstream's program: its trained model and the lines it printed; with ``num_shards`` > 1
+    its Net sums each batch's gradient over the shards the replicas would get (the yardstick of
+    the plain program's own float32 rounding)."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), pytest.MonkeyPatch.context() as patch:
+        if num_shards > 1:
+            forward = sharded_forward(mnist_upstream.Net.forward, num_shards)
+            patch.setattr(mnist_upstream.Net, "forward", forward)
+        model = mnist_upstream.main(_args(), *datasets)
+    return model, printed.getvalue().splitlines()
 
 
 @pytest.fixture(scope="module")
 def plain_run(without_dropout, datasets) -> tuple[nn.Module, list[str]]:
-    """upstream's program: its trained model and the lines it printed."""
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        model = mnist_upstream.main(_args(), *datasets)
-    return model, printed.getvalue().splitlines()
+    return _run_upstream(datasets)
+
+
+def _losses(lines: list[str]) -> list[float]:
+    return [float(match[5]) for line in lines if (match := TRAIN_LINE.fullmatch(line))]
 
 
 @pytest.mark.parametrize("num_devices", [2, 3, 4])
 def test_port_trains_and_prints_what_the_plain_program_does(
     without_dropout, datasets, plain_run, num_devices, capsys
 ):
+    """The port's parameters are as close to the plain program's as the plain program run with
+    its batches summed in the same shards (its own float32 rounding on this CPU), and it prints
+    the same lines; its losses are as close as the sharded run's, or equal when printed."""
     expected, plain_lines = plain_run
+    reordered, reordered_lines = _run_upstream(datasets, num_devices)
     devices = [f"cpu:{i}" for i in range(num_devices)]
     model = mnist_port.main(_args(devices=devices), *datasets)
     port_lines = capsys.readouterr().out.splitlines()
 
-    assert_same_parameters(expected, model, rtol=1e-5, atol=1e-5)
+    assert_within_reordering(expected, model, reordered)
+    printed = 1e-6  # six decimals
+    loss_noise = max(
+        abs(a - b) for a, b in zip(_losses(reordered_lines), _losses(plain_lines), strict=True)
+    )
     train_lines = 0
     for plain, port in zip(plain_lines, port_lines, strict=True):
         plain_match, port_match = TRAIN_LINE.fullmatch(plain), TRAIN_LINE.fullmatch(port)
@@ -110,7 +128,8 @@ def test_port_trains_and_prints_what_the_plain_program_does(
         train_lines += 1
         assert port_match is not None, port
         assert port_match.groups()[:4] == plain_match.groups()[:4]
-        assert float(port_match[5]) == pytest.approx(float(plain_match[5]), abs=1e-5)
+        loss_bound = REORDERING_FACTOR * max(loss_noise, printed)
+        assert float(port_match[5]) == pytest.approx(float(plain_match[5]), abs=loss_bound)
     assert train_lines == 2 * 2  # every batch of both epochs
     assert sum(line.startswith("Test set: ") for line in port_lines) == 2
 
