@@ -82,73 +82,39 @@ def launch(plan: LaunchPlan) -> int:
     return 0
 
 
+# The flags of ``mirrored launch`` that take a value: name, type, default, metavar, help.
+_VALUE_FLAGS: tuple[tuple[str, type, object, str, str], ...] = (
+    ("--nproc-per-node", int, 1, "K", "workers per node"),
+    ("--nnodes", int, 1, "N", "number of machines"),
+    ("--node-rank", int, 0, "R", "this machine's rank"),
+    ("--master-addr", str, "127.0.0.1", "ADDR", "node 0's address; its store listens there only"),
+    ("--master-port", int, 0, "PORT", "the store's port; 0 picks a free one, with one node only"),
+    ("--max-restarts", int, 0, "R", "restarts of the worker group after a failure"),
+    ("--monitor-interval", float, 0.1, "S", "seconds between checks on the workers"),
+    (
+        "--num-ps",
+        int,
+        0,
+        "P",
+        "a ParameterServerStrategy cluster: rank 0 the chief, the last P ranks ps tasks",
+    ),
+)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of ``mirrored launch`` and ``python -m mirrored.launch.launcher``."""
-    flag = parser.add_argument
-    flag(
-        "--nproc-per-node",
-        type=int,
-        default=1,
-        metavar="K",
-        help="workers per node (default: %(default)s)",
-    )
-    flag(
-        "--nnodes",
-        type=int,
-        default=1,
-        metavar="N",
-        help="number of machines (default: %(default)s)",
-    )
-    flag(
-        "--node-rank",
-        type=int,
-        default=0,
-        metavar="R",
-        help="this machine's rank (default: %(default)s)",
-    )
-    flag(
-        "--master-addr",
-        default="127.0.0.1",
-        metavar="ADDR",
-        help="node 0's address; its store listens there only (default: %(default)s)",
-    )
-    flag(
-        "--master-port",
-        type=int,
-        default=0,
-        metavar="PORT",
-        help="the store's port; 0 picks a free one, with one node only (default: %(default)s)",
-    )
-    flag(
-        "--max-restarts",
-        type=int,
-        default=0,
-        metavar="R",
-        help="restarts of the worker group after a failure (default: %(default)s)",
-    )
-    flag(
-        "--monitor-interval",
-        type=float,
-        default=0.1,
-        metavar="S",
-        help="seconds between checks on the workers (default: %(default)s)",
-    )
-    flag(
-        "--num-ps",
-        type=int,
-        default=0,
-        metavar="P",
-        help="a ParameterServerStrategy cluster: rank 0 the chief, the last P ranks ps tasks "
-        "(default: %(default)s)",
-    )
-    flag(
+    for name, kind, default, metavar, text in _VALUE_FLAGS:
+        parser.add_argument(
+            name, type=kind, default=default, metavar=metavar, help=f"{text} (default: %(default)s)"
+        )
+    parser.add_argument(
         "-m",
         dest="module",
         action="store_true",
         help="run SCRIPT as a module, like python -m (default: as a file)",
     )
-    flag("script", help="the Python script (or, with -m, module) to run")
-    flag("script_args", nargs=argparse.REMAINDER, help="the script's own arguments")
+    parser.add_argument("script", help="the Python script (or, with -m, module) to run")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own arguments")
 
 
 def run_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
