@@ -18,7 +18,7 @@ from torch.utils.checkpoint import (
 )
 
 import mirrored
-from mirrored.random import activation_checkpoint, torch_compat
+from mirrored.random import activation_checkpoint, routing, torch_compat
 from tests.exactness import assert_close_float64
 from tests.reference_loops import make_batches, train_mirrored
 
@@ -102,6 +102,21 @@ def test_checkpointed_training_equals_training_without_checkpoints(num_replicas,
     firsts = [masks[replica][0] for replica in range(num_replicas)]
     assert all(torch.equal(m, plain_masks[r][0]) for r, m in enumerate(firsts))
     assert all(not torch.equal(firsts[0], other) for other in firsts[1:])
+
+
+@pytest.mark.timeout(60, method="thread")  # a deadlock ends the run with every thread's stack
+@pytest.mark.parametrize("kind", ["reentrant", "non_reentrant"])
+def test_a_recomputation_through_torch_s_kernels_does_not_deadlock(kind, monkeypatch):
+    """On a GPU dropout is torch's kernel run with the replica's state in the global generator;
+    a recomputation inside backward reaches it with the replica's routing active twice, and the
+    inner swap waited for the lock the outer one held: a hang. Forced here on the CPU."""
+    monkeypatch.setattr(routing, "is_plain", lambda tensor: False)  # torch's kernel, as on CUDA
+    plain, plain_masks = _train(["cpu:0", "cpu:1"], None)
+    checkpointed, masks = _train(["cpu:0", "cpu:1"], CHECKPOINTS[kind])
+    for name, value in plain.items():
+        assert torch.equal(checkpointed[name], value), name
+    assert all(torch.equal(masks[r][0], plain_masks[r][0]) for r in range(2))
+    assert not torch.equal(masks[0][0], masks[1][0])
 
 
 @pytest.mark.cuda

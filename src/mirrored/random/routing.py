@@ -196,6 +196,7 @@ class ReplicaRandomness(TorchFunctionMode):
         self._generators: dict[torch.device, torch.Generator] = {}
         self._running_bodies: set[Callable[..., Any]] = set()
         self._autograd_passes = 0  # running now, started from this replica
+        self._swapping = False  # this replica's states are in the global generators now
         torch_compat.route_checkpoint_recomputes(replica_replay)
 
     def start_step(self, step_seed: StepSeed) -> None:
@@ -376,7 +377,11 @@ class ReplicaRandomness(TorchFunctionMode):
 
     def _swapped(self, func: Callable[..., Any], args: _Args, kwargs: _Kwargs) -> Any:
         """``func`` with this replica's states in the global CPU generator and, for an op on a
-        GPU, that GPU's: under the lock, since every thread shares them."""
+        GPU, that GPU's: under the lock, since every thread shares them. An op that ``func``
+        routes here again (a recomputation inside backward runs with this routing entered twice)
+        runs as it is: the states are already swapped in, and the lock is this swap's own."""
+        if self._swapping:
+            return func(*args, **kwargs)
         device = _device_of(args, kwargs)
         cpu = self._generator(torch.device("cpu"))
         gpu = self._generator(device) if device.type == "cuda" else None
@@ -387,9 +392,11 @@ class ReplicaRandomness(TorchFunctionMode):
                 global_gpu = torch.cuda.default_generators[device.index or 0]
                 saved_gpu = global_gpu.get_state()
                 global_gpu.set_state(gpu.get_state())
+            self._swapping = True
             try:
                 return func(*args, **kwargs)
             finally:
+                self._swapping = False
                 cpu.set_state(torch.default_generator.get_state())
                 torch.default_generator.set_state(saved_cpu)
                 if gpu is not None:
