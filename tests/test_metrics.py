@@ -366,3 +366,20 @@ def test_update_state_inside_the_replica_function_is_exact(devices, monkeypatch)
     assert replicated[0].result() == single[0].result()
     assert replicated[1].state[1].item() == 13 * steps
     assert_close(replicated[1].result(), single[1].result(), rtol=1e-12, atol=0)
+
+
+def test_reading_a_metric_inside_the_replica_function_is_refused():
+    """Inside ``strategy.run`` a metric holds only the updates merged so far: refused, with
+    where to read it instead; after ``run`` it reads every replica's updates."""
+    accuracy = metrics.SparseCategoricalAccuracy()
+    batch = (seeded.ids(8, classes=5), seeded.logits(8, 5))
+
+    def step(y_true, y_pred):
+        accuracy.update_state(y_true, y_pred)
+        return accuracy.result()
+
+    with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
+        (shards,) = strategy.experimental_distribute_dataset([batch])
+        with pytest.raises(ValueError, match=r"read result\(\) after strategy.run returns"):
+            strategy.run(step, args=shards)
+    assert accuracy.state[1].item() == 8

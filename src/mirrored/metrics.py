@@ -55,7 +55,8 @@ __all__ = [
 ]
 
 
-# Guards the swap of a metric's per-replica sums (held for a dict copy, never for an add).
+# Guards a metric's per-replica sums: a replica's merge (a copy of the dict and one small add)
+# and the caller's taking of them.
 _REPLICA_SUMS_LOCK = threading.Lock()
 
 
@@ -80,6 +81,12 @@ class Metric:
     @property
     def state(self) -> torch.Tensor:
         """The merged sums so far (zeros after a reset), on the device of the merged states."""
+        replica = current_replica_context()
+        if replica is not None and replica.num_replicas_in_sync > 1:
+            raise ValueError(
+                f"metric {self.name!r} read inside a replica function: there it holds only the "
+                "updates merged so far; read result() after strategy.run returns"
+            )
         self._add_replica_sums()
         if self._state is None:
             return torch.zeros(self.num_state, dtype=torch.float64)
@@ -130,11 +137,10 @@ class Metric:
         """Add ``state`` to replica ``replica_id``'s own sums, which only its thread writes.
         The dict of sums is replaced, never changed in place, so that a copy of the metric
         keeps its own."""
-        own = self.__dict__.get("_replica_sums", {}).get(replica_id)
-        mine = state.clone() if own is None else add_sums(own, state)
         with _REPLICA_SUMS_LOCK:
             sums = dict(self.__dict__.get("_replica_sums", {}))
-            sums[replica_id] = mine
+            own = sums.get(replica_id)
+            sums[replica_id] = state.clone() if own is None else add_sums(own, state)
             self._replica_sums = sums
 
     def _take_replica_sums(self) -> dict[int, torch.Tensor]:
@@ -146,11 +152,12 @@ class Metric:
         return sums
 
     def _add_replica_sums(self) -> None:
-        """The replicas' sums into the running sums, in replica order."""
-        sums = self._take_replica_sums()
-        for replica_id in sorted(sums):
+        """The replicas' sums into the running sums, in replica order (on the caller's thread,
+        after the replicas' merges, so no update is added twice or lost)."""
+        taken = self._take_replica_sums()
+        for replica_id in sorted(taken):
             own = self._state
-            self._state = sums[replica_id] if own is None else add_sums(own, sums[replica_id])
+            self._state = taken[replica_id] if own is None else add_sums(own, taken[replica_id])
 
     def result(self) -> float:
         raise NotImplementedError(f"{type(self).__name__} must implement result")
