@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from types import MethodType
+
 import pytest
 import torch
+from torch import nn
 
 import mirrored
-from tests.exactness import assert_close_float64
+from tests.exactness import assert_close_float64, assert_within_reordering, sharded_forward
 from tests.reference_loops import (
     CROSS_DEVICE_OPS,
     OPTIMIZERS,
@@ -39,6 +42,27 @@ def test_matches_single_device_with_ragged_last_batch(num_replicas, optimizer_na
     assert_same_parameters(reference, mirrored_model)
     assert_replicas_identical(mirrored_model)
     assert_close_float64(losses, reference_losses)
+
+
+@pytest.mark.float32
+@pytest.mark.parametrize("num_replicas", [2, 3, 4])
+@pytest.mark.parametrize("optimizer_name", ["sgd_momentum", "adam"])
+def test_float32_matches_the_plain_loop_to_its_own_rounding(num_replicas, optimizer_name):
+    """What users run: float32, where N replicas are as close to the plain loop as the plain
+    loop summing each batch in the same N shards is (tests/exactness.py)."""
+    batches = make_batches()
+    reference, reordered = make_mlp(), make_mlp()
+    train_plain(reference, OPTIMIZERS[optimizer_name](reference), batches)
+    reordered.forward = MethodType(sharded_forward(nn.Sequential.forward, num_replicas), reordered)
+    train_plain(reordered, OPTIMIZERS[optimizer_name](reordered), batches)
+    with mirrored.MirroredStrategy([f"cpu:{i}" for i in range(num_replicas)]) as strategy:
+        model = make_mlp()
+        mirrored_model, _, _ = train_mirrored(
+            strategy, model, OPTIMIZERS[optimizer_name](model), batches
+        )
+    assert next(mirrored_model.parameters()).dtype == torch.float32
+    assert_within_reordering(reference, mirrored_model, reordered)
+    assert_replicas_identical(mirrored_model)
 
 
 def test_batches_smaller_than_replica_count_give_empty_shards():
