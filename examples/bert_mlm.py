@@ -78,6 +78,26 @@ MIN_LINE_CHARS = 100
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 
 
+# The value options after the device ones, in --help's order: (flag, type, default, help).
+_VALUE_OPTIONS: tuple[tuple[str, type, object, str], ...] = (
+    ("--epochs", int, 5, "passes over the training set (default %(default)s)"),
+    ("--batch-size", int, 128, "global batch size (default %(default)s)"),
+    ("--seq-len", int, 64, "tokens per sequence (default %(default)s)"),
+    ("--vocab-size", int, 8000, "WordPiece vocabulary size (default %(default)s)"),
+    ("--lr", float, 1e-4, "initial Adam learning rate (default %(default)s)"),
+    ("--shuffle-buffer", int, 500, "shuffle buffer size (default %(default)s)"),
+    ("--patience", int, 2, "EarlyStopping patience (default %(default)s)"),
+    (
+        "--max-lines",
+        int,
+        None,
+        "keep at most this many lines of each split, for smoke runs (default: all)",
+    ),
+    ("--log-dir", Path, Path("runs/bert_mlm"), "TensorBoard log directory (default %(default)s)"),
+    ("--seed", int, 0, "seeds init, shuffling and masking (default %(default)s)"),
+)
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = example_parser(__doc__)
     parser.add_argument(
@@ -87,47 +107,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "(default: the CPython documentation text in pydoc_data.topics)",
     )
     add_device_arguments(parser)
-    parser.add_argument(
-        "--epochs", type=int, default=5, help="passes over the training set (default %(default)s)"
-    )
-    parser.add_argument(
-        "--batch-size", type=int, default=128, help="global batch size (default %(default)s)"
-    )
-    parser.add_argument(
-        "--seq-len", type=int, default=64, help="tokens per sequence (default %(default)s)"
-    )
-    parser.add_argument(
-        "--vocab-size",
-        type=int,
-        default=8000,
-        help="WordPiece vocabulary size (default %(default)s)",
-    )
-    parser.add_argument(
-        "--lr", type=float, default=1e-4, help="initial Adam learning rate (default %(default)s)"
-    )
-    parser.add_argument(
-        "--shuffle-buffer", type=int, default=500, help="shuffle buffer size (default %(default)s)"
-    )
-    parser.add_argument(
-        "--patience", type=int, default=2, help="EarlyStopping patience (default %(default)s)"
-    )
-    parser.add_argument(
-        "--max-lines",
-        type=int,
-        help="keep at most this many lines of each split, for smoke runs (default: all)",
-    )
-    parser.add_argument(
-        "--log-dir",
-        type=Path,
-        default=Path("runs/bert_mlm"),
-        help="TensorBoard log directory (default %(default)s)",
-    )
-    parser.add_argument(
-        "--seed",
-        type=int,
-        default=0,
-        help="seeds init, shuffling and masking (default %(default)s)",
-    )
+    for flag, kind, default, text in _VALUE_OPTIONS:
+        parser.add_argument(flag, type=kind, default=default, help=text)
     parser.add_argument(
         "--verbose",
         choices=["auto", "0", "1", "2"],

@@ -51,6 +51,21 @@ DEFAULT_PORT = 12345
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = example_parser(__doc__)
+    _add_cluster_arguments(parser)
+    _add_model_arguments(parser)
+    _add_training_arguments(parser)
+    args = parser.parse_args(argv)
+    if args.width_multiplier <= 0:
+        parser.error(f"--width-multiplier {args.width_multiplier}: expected a positive number")
+    if args.workers < 0:
+        parser.error(f"--workers {args.workers}: expected 0 or more")
+    _check_cluster_arguments(parser, args)
+    if args.image_size is None:
+        args.image_size = 224 if args.data is not None else 64
+    return args
+
+
+def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     cluster = parser.add_argument_group(
         "cluster (when neither TF_CONFIG nor a launcher's RANK/WORLD_SIZE is set)"
     )
@@ -66,6 +81,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     cluster.add_argument(
         "--port", type=int, default=DEFAULT_PORT, help=f"worker 0's port (default {DEFAULT_PORT})"
     )
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model and data (examples/mobilenet.py's)")
     model.add_argument(
         "--data",
@@ -80,6 +98,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     model.add_argument("--width-multiplier", type=float, default=0.5, help="default 0.5")
     model.add_argument("--bn-momentum", type=float, default=0.5, help="see build_model there")
     model.add_argument("--workers", type=int, default=2, help="--data decoding processes")
+
+
+def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
     training = parser.add_argument_group("training")
     training.add_argument(
         "--batch-size-per-replica",
@@ -101,11 +122,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="the trained weights' file, the chief's ('{rank}' in it: every worker's; "
         "default: not saved)",
     )
-    args = parser.parse_args(argv)
-    if args.width_multiplier <= 0:
-        parser.error(f"--width-multiplier {args.width_multiplier}: expected a positive number")
-    if args.workers < 0:
-        parser.error(f"--workers {args.workers}: expected 0 or more")
+
+
+def _check_cluster_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--port, --num-workers and --worker-index fit each other and the environment."""
     if not 1 <= args.port <= 65535 - (args.num_workers - 1):
         parser.error(
             f"--port {args.port}: expected 1..{65535 - (args.num_workers - 1)} (worker i is "
@@ -128,9 +148,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             f"--num-workers {args.num_workers} needs --worker-index 0..{args.num_workers - 1} "
             "in each worker (or TF_CONFIG, or mirrored launch --nproc-per-node N -m ...)"
         )
-    if args.image_size is None:
-        args.image_size = 224 if args.data is not None else 64
-    return args
 
 
 def local_tf_config(num_workers: int, worker_index: int, port: int) -> dict[str, Any]:
