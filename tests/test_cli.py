@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
+import re
 import sys
 from collections.abc import Callable, Iterator
 from importlib import metadata
@@ -120,8 +121,20 @@ def _with_subcommands(parser: argparse.ArgumentParser) -> Iterator[argparse.Argu
                 yield from _with_subcommands(subcommand)
 
 
+def _shows_value(shown: str, value: str) -> bool:
+    """``value`` after the word "default", whole: "(default: 3)" does not show 30, 0.3 or 3.5."""
+    return (
+        re.search(rf"(?i:\bdefault\b).*?(?<![\w.]){re.escape(value)}(?!\w|\.\d)", shown, re.S)
+        is not None
+    )
+
+
 def _undocumented(parser: argparse.ArgumentParser) -> list[str]:
-    """Options whose help is missing or, as ``--help`` shows it, does not give the default."""
+    """Options whose help is missing or, as ``--help`` shows it, does not give the default.
+
+    An option with a value by default shows that value as ``%(default)s`` prints it; a flag, or
+    an option without a value by default, says in words what happens without it.
+    """
     formatter = parser._get_formatter()
     problems = []
     for action in parser._actions:
@@ -130,8 +143,16 @@ def _undocumented(parser: argparse.ArgumentParser) -> list[str]:
         name = "/".join(action.option_strings) or action.dest
         if not action.help:
             problems.append(f"{name}: no help")
-        elif action.option_strings and "default" not in formatter._expand_help(action).lower():
-            problems.append(f"{name}: no default in {formatter._expand_help(action)!r}")
+            continue
+        if not action.option_strings:
+            continue
+        shown = formatter._expand_help(action)
+        default = action.default
+        if default is None or default is False or default == argparse.SUPPRESS:
+            if "default" not in shown.lower():
+                problems.append(f"{name}: does not say what happens without it: {shown!r}")
+        elif not _shows_value(shown, str(default)):
+            problems.append(f"{name}: default {str(default)!r} not shown in {shown!r}")
     return problems
 
 
