@@ -110,3 +110,45 @@ def test_a_dict_of_arrays_needs_no_y() -> None:
 def test_bad_input(kwargs: dict[str, object], error: type[Exception], match: str) -> None:
     with pytest.raises(error, match=match):
         DataAdapter(**kwargs)  # type: ignore[arg-type]
+
+
+def _list_of_batches() -> list[tuple[torch.Tensor, ...]]:
+    return [(torch.full((3, 2), float(i)), torch.full((3,), i)) for i in range(4)]
+
+
+@pytest.mark.parametrize("container", [list, tuple])
+def test_a_list_of_batches_is_an_iterable_of_batches(container: type) -> None:
+    batches = container(_list_of_batches())
+    adapter = DataAdapter(batches)
+    assert adapter.steps_per_epoch == 4 and not adapter.one_shot
+    for epoch in range(2):  # a list is re-iterable: every epoch starts again
+        seen = list(adapter.epoch())
+        assert [int(y[0]) for _, y, _ in seen] == [0, 1, 2, 3], epoch
+        assert all(x.shape == (3, 2) and w is None for x, _, w in seen)
+    weighted = [(x, y, torch.ones(3)) for x, y in _list_of_batches()]
+    assert all(w is not None for _, _, w in DataAdapter(weighted, purpose="evaluate").epoch())
+
+
+@pytest.mark.parametrize(
+    "x",
+    [
+        [torch.zeros(4, 1), torch.zeros(4)],  # a multi-input x, no y
+        [(torch.zeros(4, 1), torch.zeros(4)), torch.zeros(4, 1)],  # batches mixed with an array
+    ],
+    ids=["arrays", "mixed"],
+)
+def test_a_list_that_is_not_all_batches_names_both_readings(x: list[object]) -> None:
+    with pytest.raises(ValueError, match="no y") as raised:
+        DataAdapter(x)
+    message = str(raised.value)
+    assert "list of 2 items" in message
+    assert "(x, y) or (x, y, sample_weight) tuples" in message
+
+
+def test_with_y_a_list_of_pairs_stays_a_multi_input_x() -> None:
+    a, b, y = torch.zeros(5, 2), torch.ones(5, 3), torch.arange(5)
+    (x, batch_y, _), *_ = DataAdapter([a, b], y, batch_size=5).epoch()
+    assert isinstance(x, list) and [t.shape for t in x] == [(5, 2), (5, 3)]
+    pairs = [(a, b), (a, b)]  # y given: a multi-input x of (a, b) pairs, not two batches
+    (x, batch_y, _), *_ = DataAdapter(pairs, y, batch_size=5).epoch()
+    assert x[1][1].shape == (5, 3) and torch.equal(batch_y, y)

@@ -5,6 +5,8 @@ Two kinds of input, as in Keras:
   batched here, reshuffled every epoch from torch's global generator when ``shuffle``;
 - a DataLoader or any iterable of batches ``(x, y)`` / ``(x, y, sample_weight)``: used as given
   (a re-iterable one starts a new pass every epoch; a one-shot iterator continues across epochs).
+  Without y, a list or tuple whose items are all such batches (or dicts) is an iterable of
+  batches; with y it is arrays (a multi-input x, as in Keras).
 
 A batch is normalised to ``(x, y, sample_weight)``. A dict x needs no y (a Hugging Face model's
 inputs carry their ``labels``, or the model computes its own loss): dict arrays without y, and
@@ -41,6 +43,23 @@ def _is_array_structure(value: Any) -> bool:
         leaves = flatten(value)
         return bool(leaves) and all(_is_array(leaf) for leaf in leaves)
     return False
+
+
+def _is_list_of_batches(value: Any) -> bool:
+    """A list or tuple whose every item is a batch: an ``(x, y[, sample_weight])`` tuple or list,
+    or a dict. Read so only without y: with y, a list of pairs is a multi-input x."""
+    return (
+        isinstance(value, (tuple, list))
+        and not _is_namedtuple(value)
+        and bool(value)
+        and all(
+            isinstance(item, Mapping)
+            or (
+                isinstance(item, (tuple, list)) and not _is_namedtuple(item) and len(item) in (2, 3)
+            )
+            for item in value
+        )
+    )
 
 
 def _as_tensor(value: Any) -> Any:
@@ -96,7 +115,9 @@ class DataAdapter:
             raise ValueError(f"steps={steps!r}: expected a positive int or None")
         if x is None:
             raise ValueError(f"{purpose}() got x=None; pass arrays or a DataLoader")
-        if _is_array_structure(x):
+        if y is None and purpose != "predict" and _is_list_of_batches(x):
+            self._init_iterable(x, y, sample_weight, batch_size)
+        elif _is_array_structure(x):
             self._init_arrays(x, y, sample_weight, batch_size, shuffle)
         else:
             self._init_iterable(x, y, sample_weight, batch_size)
@@ -119,9 +140,15 @@ class DataAdapter:
                     "or numpy array (or a tuple or dict of them)"
                 )
         if y is None and self.purpose != "predict" and not isinstance(x, Mapping):
+            listed = (
+                f" (x is a {type(x).__name__} of {len(x)} items, not all of them batches: a "
+                "list of batches must hold (x, y) or (x, y, sample_weight) tuples only)"
+                if isinstance(x, (tuple, list))
+                else ""
+            )
             raise ValueError(
-                f"{self.purpose}() got array x but no y; pass y=, a dict x carrying 'labels', "
-                "or a DataLoader of (x, y)"
+                f"{self.purpose}() got array x but no y{listed}; pass y=, a dict x carrying "
+                "'labels', or a DataLoader of (x, y)"
             )
         self._arrays = map_structure(_as_tensor, (x, y, sample_weight))
         lengths = {
