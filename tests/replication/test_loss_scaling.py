@@ -198,6 +198,10 @@ def _mean_of_weights_minus_an_input(model, x, y):
     return data + (model[0].weight - x.mean(dim=0)).square().mean()
 
 
+def _shard_mean_beside_a_summed_term(model, x, y):
+    return F.cross_entropy(model(x), y, reduction="sum") - 2.0 * F.cross_entropy(model(x), y)
+
+
 @pytest.mark.parametrize(
     "loss_fn",
     [
@@ -208,6 +212,7 @@ def _mean_of_weights_minus_an_input(model, x, y):
         _shard_mean_beside_a_scaled_term,
         _mean_of_weights_picked_by_labels,
         _mean_of_weights_minus_an_input,
+        _shard_mean_beside_a_summed_term,
     ],
     ids=[
         "cross_entropy",
@@ -217,6 +222,7 @@ def _mean_of_weights_minus_an_input(model, x, y):
         "beside_a_scaled_term",
         "weights_picked_by_labels",
         "weights_minus_an_input",
+        "beside_a_summed_term",
     ],
 )
 def test_a_loss_averaged_over_the_shard_is_refused_before_any_change(loss_fn):
@@ -315,6 +321,86 @@ def test_scaled_losses_pass_silently_in_sums_and_scales():
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             strategy.run(step, (batch,))
+
+
+class TinyVAE(nn.Module):
+    """pytorch/examples' VAE, shrunk (its sampling left out: z is the mean)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(4)
+        self.encode = nn.Linear(12, 6)
+        self.decode = nn.Linear(3, 12)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        mu, logvar = self.encode(x).chunk(2, dim=1)
+        return torch.sigmoid(self.decode(torch.tanh(mu))), mu, logvar
+
+
+def _vae_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The examples' loss as written there: sums over the batch (``reduction="sum"``)."""
+    recon, mu, logvar = model(x)
+    bce = F.binary_cross_entropy(recon, x, reduction="sum")
+    kld = -0.5 * torch.sum(1 + logvar - mu.pow(2) - logvar.exp())
+    return bce + kld
+
+
+def test_a_loss_summed_over_the_shard_trains_exactly_without_a_warning():
+    """A sum over the shard is exact under the strategy's sum of gradients: nothing to say."""
+    batches = [torch.sigmoid(x) for x, _ in make_batches(num_examples=45)]
+    expected = TinyVAE()
+    optimizer = torch.optim.SGD(expected.parameters(), lr=0.01)
+    for x in batches:
+        _vae_loss(expected, x).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
+        module = TinyVAE()
+        model, mirrored_optimizer = strategy.mirror(
+            module, torch.optim.SGD(module.parameters(), lr=0.01)
+        )
+
+        def step(x):
+            _vae_loss(model, x).backward()
+            mirrored_optimizer.step()
+            mirrored_optimizer.zero_grad()
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", mirrored.LossScalingWarning)
+            for x in strategy.experimental_distribute_dataset(batches):
+                strategy.run(step, (x,))
+    assert_same_parameters(expected, model.module)
+    assert_replicas_identical(model)
+
+
+def _sum_divided_by_the_shard(model, x, y):
+    return F.cross_entropy(model(x), y, reduction="sum") / len(x)
+
+
+def _sum_times_one_over_the_shard(model, x, y):
+    return F.cross_entropy(model(x), y, reduction="sum") * (1 / len(x))
+
+
+def _sum_plus_a_summed_weight_penalty(model, x, y):
+    penalty = sum(p.square().sum() for p in model.parameters())
+    return F.cross_entropy(model(x), y, reduction="sum") + penalty
+
+
+@pytest.mark.parametrize(
+    "loss_fn",
+    [_sum_divided_by_the_shard, _sum_times_one_over_the_shard, _sum_plus_a_summed_weight_penalty],
+    ids=["divided", "times_a_fraction", "summed_penalty"],
+)
+def test_a_sum_that_may_be_a_hand_made_mean_or_reads_no_input_still_warns(loss_fn):
+    """A sum divided (or scaled down) after it may be a mean over the shard written by hand; a
+    sum of parameters alone is counted once per replica: both keep the warning."""
+    x, y = make_batches()[0]
+    with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
+        module = make_mlp()
+        model, _ = strategy.mirror(module, torch.optim.SGD(module.parameters(), lr=0.1))
+        batch = next(iter(strategy.experimental_distribute_dataset([(x, y)])))
+        with pytest.warns(mirrored.LossScalingWarning, match="did not come through"):
+            strategy.run(lambda b: loss_fn(model, *b).backward(), (batch,))
 
 
 def test_one_replica_takes_any_loss():

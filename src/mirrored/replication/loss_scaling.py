@@ -6,8 +6,9 @@ Hugging Face model's ``out.loss``) gives N times the single-device gradient, and
 uneven shards. The helpers here scale a loss correctly and mark the result (in its autograd
 node's ``metadata``); ``check_loss_scaling``, called by a strategy when a replica starts a
 backward pass, refuses a loss that reduces its shard with a mean anywhere outside a helper (a
-mean of parameters alone, a weight penalty, reads no shard) and warns once about any other loss
-that did not come through a helper (TensorFlow refuses losses with automatic reduction in a
+mean of parameters alone, a weight penalty, reads no shard), accepts a loss summed over its shard
+(exact under the sum of gradients: the VAE's ``reduction="sum"``) and warns once about any other
+loss that did not come through a helper (TensorFlow refuses losses with automatic reduction in a
 strategy's custom loop for the same reason).
 """
 
@@ -176,13 +177,14 @@ def _reduction_of(node: object) -> str | None:
 def _how_reduced(root: torch.Tensor) -> str:
     """The name of the autograd node where some path from ``root`` that did not come through a
     scaling helper first reduces a batch with a mean (this shard's); else "scaled" when some path
-    came through a helper; else "unscaled". A mean of values computed from parameters alone (a
-    weight penalty) reduces no batch."""
-    queue: deque[object] = deque([root.grad_fn])
+    came through a helper; else "summed" when every path ends in a sum over the shard reached
+    through ``_keeps_a_sum`` nodes only; else "unscaled". A mean of values computed from
+    parameters alone (a weight penalty) reduces no batch."""
+    queue: deque[tuple[object, bool]] = deque([(root.grad_fn, True)])
     seen: set[int] = set()
-    scaled = False
+    scaled, explained = False, True
     while queue and len(seen) < _NODES_CHECKED:
-        node = queue.popleft()
+        node, summable = queue.popleft()
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
@@ -192,9 +194,44 @@ def _how_reduced(root: torch.Tensor) -> str:
         reduction = _reduction_of(node)
         if reduction == "mean" and not _of_parameters_alone(node):
             return type(node).__name__
-        if reduction is None:  # arithmetic on the loss: look further down
-            queue.extend(child for child, _ in node.next_functions)  # type: ignore[attr-defined]
-    return "scaled" if scaled else "unscaled"
+        if reduction == "sum":
+            explained &= summable and not _of_parameters_alone(node)
+        elif reduction is not None or not node.next_functions:  # type: ignore[attr-defined]
+            explained = False  # a mean of parameters alone, or a leaf: no sum of the shard
+        else:  # arithmetic on the loss: look further down
+            keeps = summable and _keeps_a_sum(node)
+            queue.extend((child, keeps) for child, _ in node.next_functions)  # type: ignore[attr-defined]
+    if scaled:
+        return "scaled"
+    return "summed" if explained and not queue else "unscaled"
+
+
+# Nodes through which a sum over the shard stays exact under the replicas' sum of gradients.
+_SUM_PRESERVING = ("AddBackward", "SubBackward", "NegBackward", "MulBackward", "ToCopyBackward")
+_SUM_PRESERVING += ("CloneBackward", "ViewBackward", "ReshapeAliasBackward", "SqueezeBackward")
+
+
+def _keeps_a_sum(node: object) -> bool:
+    """Whether a sum over the shard below ``node`` stays one: additions, negation, casts, and
+    products with one constant that is negative or at least 1 (the VAE's ``-0.5 * sum``, a loss
+    scale). A division, or a constant factor in (0, 1), may be a mean over the shard written by
+    hand (``loss.sum() / len(x)``), so it keeps the warning."""
+    name = type(node).__name__
+    if not name.startswith(_SUM_PRESERVING):
+        return False
+    alpha = getattr(node, "_saved_alpha", 1)
+    if isinstance(alpha, (int, float)) and 0 < alpha < 1:
+        return False
+    if not name.startswith("MulBackward"):
+        return True
+    children = [child for child, _ in node.next_functions]  # type: ignore[attr-defined]
+    if len(children) != 2 or children.count(None) != 1:
+        return False  # a product of two terms of the loss, or of two constants
+    factor = getattr(node, "_saved_other" if children[1] is None else "_saved_self", None)
+    if not isinstance(factor, torch.Tensor) or factor.numel() != 1:
+        return False
+    value = float(factor)
+    return value < 0 or value >= 1
 
 
 def _of_parameters_alone(node: object) -> bool:
@@ -255,6 +292,8 @@ def check_loss_scaling(roots: Sequence[torch.Tensor], replica: ReplicaContext) -
         if root.grad_fn is None or root.numel() != 1:
             continue
         how = _how_reduced(root)
+        if how == "summed":
+            continue  # a sum over the shard: the replicas' sum of gradients is the global one
         if how == "unscaled" and not _warned:
             _warned = True
             warnings.warn(
