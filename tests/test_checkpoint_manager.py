@@ -279,10 +279,88 @@ def test_bad_arguments(tmp_path):
         checkpoint.restore(tmp_path / "missing.pt")
 
 
+def test_a_tensor_of_another_dtype_is_refused_before_anything_is_loaded(tmp_path):
+    module = _module()
+    path = mirrored.Checkpoint(model=module, step=torch.full((), 2.5)).save(tmp_path / "f")
+    other = _module()
+    with torch.no_grad():
+        other[0].weight.add_(1.0)
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    step = torch.zeros((), dtype=torch.int64)
+    # 'model' fits and comes first; copy_ would cast 2.5 into the int64 counter as 2.
+    with pytest.raises(ValueError, match=r"entry 'step': a torch\.float32 tensor, expected "):
+        mirrored.Checkpoint(model=other, step=step).restore(path)
+    assert step.item() == 0
+    assert_close(other.state_dict(), before, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["save", "restore", "write", "save_counter", "_objects"])
+def test_a_name_that_the_checkpoint_uses_itself_is_refused(name):
+    with pytest.raises(ValueError, match=rf"Checkpoint\({name}=\.\.\.\).*pick another name"):
+        mirrored.Checkpoint(**{name: _module()})
+    assert mirrored.Checkpoint(read=_module()).read is not None  # not an attribute of Checkpoint
+
+
+def test_a_checkpoint_number_at_or_below_the_newest_is_refused(tmp_path):
+    manager = mirrored.CheckpointManager(
+        mirrored.Checkpoint(model=_module()), tmp_path, max_to_keep=3
+    )
+    for number in (5, 6, 7):
+        manager.save(checkpoint_number=number)
+    for number in (3, 7):
+        with pytest.raises(ValueError, match=rf"checkpoint_number={number}: .*\[5, 6, 7\]"):
+            manager.save(checkpoint_number=number)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-5.pt", "ckpt-6.pt", "ckpt-7.pt"]
+    assert manager.latest_checkpoint == str(tmp_path / "ckpt-7.pt")
+    assert manager.save(checkpoint_number=8) == manager.latest_checkpoint
+
+
+def _failing(error: OSError):
+    def fail(*args: object) -> None:
+        raise error
+
+    return fail
+
+
+def test_a_failed_write_deletes_nothing_and_counts_nothing(tmp_path, monkeypatch):
+    checkpoint = mirrored.Checkpoint(model=_module())
+    manager = mirrored.CheckpointManager(checkpoint, tmp_path, max_to_keep=2)
+    manager.save(), manager.save()
+    kept = manager.checkpoints
+    monkeypatch.setattr(mirrored.checkpoint, "save", _failing(OSError(28, "No space left")))
+    with pytest.raises(OSError, match="No space left"):
+        manager.save()
+    assert checkpoint.save_counter == 2 and manager.checkpoints == kept
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-1.pt", "ckpt-2.pt"]
+    with pytest.raises(OSError, match="No space left"):
+        checkpoint.save(tmp_path / "other")
+    assert checkpoint.save_counter == 2
+    monkeypatch.undo()
+    assert manager.save() == str(tmp_path / "ckpt-3.pt")  # the number the failed save had
+
+
+def test_a_failed_deletion_keeps_the_new_checkpoint_and_the_old_one_tracked(tmp_path, monkeypatch):
+    checkpoint = mirrored.Checkpoint(model=_module())
+    manager = mirrored.CheckpointManager(checkpoint, tmp_path, max_to_keep=2)
+    manager.save(), manager.save()
+    remove = os.remove
+    monkeypatch.setattr(os, "remove", _failing(PermissionError(13, "Permission denied")))
+    with pytest.raises(OSError, match=r"wrote .*ckpt-3\.pt.*could not delete .*ckpt-1\.pt"):
+        manager.save()
+    assert checkpoint.save_counter == 3
+    assert manager.checkpoints == [str(tmp_path / f"ckpt-{n}.pt") for n in (1, 2, 3)]
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-1.pt", "ckpt-2.pt", "ckpt-3.pt"]
+    monkeypatch.setattr(os, "remove", remove)
+    manager.save()  # deletes what the failed one left, too
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-3.pt", "ckpt-4.pt"]
+    assert manager.checkpoints == [str(tmp_path / f"ckpt-{n}.pt") for n in (3, 4)]
+
+
 # -- several workers ----------------------------------------------------------------------------
 
 
-def test_on_multi_worker_only_the_chief_writes_and_every_worker_restores(tmp_path):
+def _run_workers(out: Path, mode: str) -> list[dict[str, object]]:
+    """Run this file as two workers of 2 logical devices each, and read what each wrote."""
     from tests.multiprocess.spawn import (
         assert_all_succeeded,
         free_port,
@@ -292,16 +370,42 @@ def test_on_multi_worker_only_the_chief_writes_and_every_worker_restores(tmp_pat
     )
 
     port = free_port()
-    command = [sys.executable, "-m", "tests.test_checkpoint_manager", str(tmp_path)]
+    command = [sys.executable, "-m", "tests.test_checkpoint_manager", str(out), mode]
     workers = [
         start_process(command, worker_env(rank, 2, port, 2, "torchrun"), rank) for rank in (0, 1)
     ]
     assert_all_succeeded(wait_workers(workers, timeout=120))
+    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+
+
+def test_on_multi_worker_only_the_chief_writes_and_every_worker_restores(tmp_path):
+    chief, other = _run_workers(tmp_path, "train")
     assert sorted(os.listdir(tmp_path)) == ["ckpt-2.pt", "ckpt-3.pt", "rank0.pt", "rank1.pt"]
-    chief, other = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
     assert chief["paths"] == other["paths"] == [str(tmp_path / f"ckpt-{n}.pt") for n in (1, 2, 3)]
     assert_close(chief["restored"], other["restored"], rtol=0, atol=0)
     assert_close(chief["restored"], chief["saved"], rtol=0, atol=0)
+
+
+def test_on_multi_worker_the_workers_see_the_same_files_or_fail(tmp_path):
+    """Separate disks: worker 1's folder holds other checkpoints than the chief's. Every worker
+    refuses a manager there and a restore of its own file, instead of training apart."""
+    for rank, shift in ((0, 0.0), (1, 1.0)):
+        module = _module()
+        with torch.no_grad():
+            module[0].weight.add_(shift)
+        checkpoint = mirrored.Checkpoint(model=module)
+        for _ in range(2 - rank):  # the chief's disk: ckpt-1 and ckpt-2; worker 1's: ckpt-1
+            checkpoint.save(tmp_path / f"disk{rank}" / "ckpt")
+    chief, other = _run_workers(tmp_path, "diverge")
+    # Worker 1 builds its manager late: the chief saved nothing before both had looked.
+    assert chief["raced"] == other["raced"] == str(tmp_path / "shared" / "ckpt-1.pt")
+    for errors in (chief, other):
+        assert "ValueError: worker(s) [1] hold other values than worker 0" in errors["manager"]
+        assert "ValueError: worker(s) [1] hold other values than worker 0" in errors["restore"]
+        assert "ckpt-1.pt" in errors["restore"]
+    assert chief["missing"].startswith("ValueError: worker(s) [1] hold other values")
+    assert other["missing"].startswith("FileNotFoundError: no checkpoint at")
+    assert chief["none"] == other["none"] == "restored nothing"
 
 
 def _worker(out: Path) -> None:
@@ -344,5 +448,36 @@ def _worker(out: Path) -> None:
         torch.save({"paths": paths, "saved": saved, "restored": restored}, out / f"rank{rank}.pt")
 
 
+def _diverging_worker(out: Path) -> None:
+    """What ``test_on_multi_worker_the_workers_see_the_same_files_or_fail`` checks: the error
+    (or result) of each step, per worker."""
+    config = mirrored.config
+    config.set_logical_device_configuration(
+        config.list_physical_devices("CPU")[0], [config.LogicalDeviceConfiguration()] * 2
+    )
+    with mirrored.MultiWorkerMirroredStrategy() as strategy:
+        rank = strategy.worker_group.rank
+        checkpoint = mirrored.Checkpoint(model=strategy.mirror(_module()))
+        if rank == 1:
+            time.sleep(1.0)  # the chief makes its manager and saves first
+        report: dict[str, object] = {
+            "raced": mirrored.CheckpointManager(checkpoint, out / "shared").save()
+        }
+        mine = out / f"disk{rank}"
+        steps = {
+            "manager": lambda: mirrored.CheckpointManager(checkpoint, mine),
+            "restore": lambda: checkpoint.restore(mine / "ckpt-1.pt"),
+            "missing": lambda: checkpoint.restore(mine / "ckpt-2.pt"),
+            "none": lambda: checkpoint.restore(None),
+        }
+        for name, step in steps.items():
+            try:
+                step()
+                report[name] = "restored nothing"
+            except (ValueError, OSError) as error:
+                report[name] = f"{type(error).__name__}: {error}"
+        torch.save(report, out / f"rank{rank}.pt")
+
+
 if __name__ == "__main__":
-    _worker(Path(sys.argv[1]))
+    (_worker if sys.argv[2] == "train" else _diverging_worker)(Path(sys.argv[1]))

@@ -6,7 +6,8 @@ their ``state_dict()`` as one file, atomically (:mod:`mirrored.checkpoint`), num
 ``prefix-N.pt``. A restore reads it with ``weights_only=True`` and checks every object's state
 against the object before it loads any, so a file that does not fit changes nothing. A
 ``CheckpointManager`` keeps the last few in a folder and finds them again after a restart, by
-their number, never by modification time. Among workers, only the chief writes.
+their number, never by modification time. Among workers, only the chief writes, and a restore
+or a manager fails on every worker unless all of them read the same files.
 """
 
 from __future__ import annotations
@@ -66,15 +67,17 @@ class Checkpoint:
 
     ``Checkpoint(model=model, optimizer=optimizer, step=torch.zeros((), dtype=torch.int64))``:
     each object has ``state_dict()`` and ``load_state_dict()`` (a tensor is copied in place), and
-    is an attribute of the checkpoint (``checkpoint.step``). ``save_counter`` counts the saves
+    is an attribute of the checkpoint (``checkpoint.step``), so a name the checkpoint uses itself
+    (``save``, ``restore``, ``save_counter``, ...) is refused. ``save_counter`` counts the saves
     and is saved with them.
     """
 
     def __init__(self, **objects: Any) -> None:
         for name, value in objects.items():
-            if name == "save_counter" or name.startswith("_"):
+            if name == "save_counter" or name.startswith("_") or hasattr(type(self), name):
                 raise ValueError(
-                    f"Checkpoint({name}=...): {name!r} is reserved; name the object otherwise"
+                    f"Checkpoint({name}=...): {name!r} is reserved: the Checkpoint uses it "
+                    f"itself, so checkpoint.{name} would not give the object; pick another name"
                 )
             if not isinstance(value, torch.Tensor) and not (
                 callable(getattr(value, "state_dict", None))
@@ -102,23 +105,28 @@ class Checkpoint:
     def save(self, file_prefix: str | os.PathLike[str]) -> str:
         """Write ``{file_prefix}-{N}.pt`` with N the new ``save_counter``, atomically, where the
         strategy writes checkpoints (the chief); every worker returns the path. Call it on every
-        worker at the same point."""
-        self.save_counter += 1
-        return self.write(f"{os.fspath(file_prefix)}-{self.save_counter}{_SUFFIX}")
+        worker at the same point. A write that fails counts nothing."""
+        counter = self.save_counter + 1
+        path = self._write(f"{os.fspath(file_prefix)}-{counter}{_SUFFIX}", counter)
+        self.save_counter = counter  # only once the file is there
+        return path
 
     def write(self, path: str | os.PathLike[str]) -> str:
         """Write the checkpoint to ``path`` exactly, as ``save`` does but without a number."""
-        state = self._state()  # on every worker: a sharded optimizer state is gathered
+        return self._write(path, self.save_counter)
+
+    def _write(self, path: str | os.PathLike[str], save_counter: int) -> str:
+        state = self._state(save_counter)  # on every worker: a sharded optimizer state is gathered
         target = os.fspath(path)
         self._strategy().save_on_chief(lambda: checkpoint.save(state, target))
         return target
 
-    def _state(self) -> dict[str, Any]:
+    def _state(self, save_counter: int) -> dict[str, Any]:
         objects = {
             name: value.detach().clone() if isinstance(value, torch.Tensor) else value.state_dict()
             for name, value in self._objects.items()
         }
-        return {"format": FORMAT, "save_counter": self.save_counter, "objects": objects}
+        return {"format": FORMAT, "save_counter": save_counter, "objects": objects}
 
     def _strategy(self) -> Strategy:
         """The strategy that decides who writes: the one whose scope this is, else the one that
@@ -137,9 +145,37 @@ class Checkpoint:
     def restore(self, save_path: str | os.PathLike[str] | None) -> RestoreStatus:
         """Load a file written by ``save`` into the objects, all or nothing: every object's
         state is checked first, and a ValueError names the entry that does not fit. None (what
-        ``latest_checkpoint`` gives on a first run) restores nothing."""
-        if save_path is None:
+        ``latest_checkpoint`` gives on a first run) restores nothing. Among workers, call it on
+        every worker: unless all of them read the same (a file on separate disks, or read
+        while the chief wrote it), every worker raises before any loads it."""
+        read: tuple[Mapping[str, Any], int] | None = None
+        failure: Exception | None = None
+        if save_path is not None:
+            try:
+                read = self._read(save_path)
+            except Exception as caught:  # the other workers still compare what they read
+                failure = caught
+        self._check_same_on_workers(save_path, read, failure)
+        if save_path is None or read is None:
             return RestoreStatus(None)
+        states, counter = read
+        source = repr(os.fspath(save_path))
+        for name, value in self._objects.items():
+            _check_state(value, states[name], f"{source}, entry {name!r}")
+        for name, value in self._objects.items():
+            if isinstance(value, torch.Tensor):
+                with torch.no_grad():
+                    value.copy_(states[name])
+            else:
+                value.load_state_dict(states[name])
+        self.save_counter = counter
+        return RestoreStatus(
+            os.fspath(save_path), tuple(n for n in states if n not in self._objects)
+        )
+
+    def _read(self, save_path: str | os.PathLike[str]) -> tuple[Mapping[str, Any], int]:
+        """The objects' states and the save counter of a Checkpoint file, with an entry for
+        every object of this checkpoint."""
         source = repr(os.fspath(save_path))
         saved = checkpoint.load(save_path)
         if not isinstance(saved, Mapping) or saved.get("format") != FORMAT:
@@ -164,18 +200,28 @@ class Checkpoint:
                 f"{source} has no entry for {missing} (it holds {list(states)}); name the "
                 "objects as they were named when it was saved; nothing was restored"
             )
-        for name, value in self._objects.items():
-            _check_state(value, states[name], f"{source}, entry {name!r}")
-        for name, value in self._objects.items():
-            if isinstance(value, torch.Tensor):
-                with torch.no_grad():
-                    value.copy_(states[name])
-            else:
-                value.load_state_dict(states[name])
-        self.save_counter = counter
-        return RestoreStatus(
-            os.fspath(save_path), tuple(n for n in states if n not in self._objects)
-        )
+        return states, counter
+
+    def _check_same_on_workers(
+        self,
+        save_path: str | os.PathLike[str] | None,
+        read: tuple[Mapping[str, Any], int] | None,
+        failure: Exception | None,
+    ) -> None:
+        """Compare what every worker read (one small collective; nothing in one process), then
+        raise this worker's own failure if it had one."""
+        taken = None
+        if read is not None:
+            states, counter = read
+            taken = ([states[name] for name in self._objects], torch.tensor(counter))
+        what = "restore(None)" if save_path is None else f"{os.fspath(save_path)!r}"
+        try:
+            self._strategy().check_same_on_workers(taken, f"the checkpoint restored from {what}")
+        except ValueError:
+            if failure is None:
+                raise
+        if failure is not None:
+            raise failure
 
 
 def _check_state(value: Any, state: Any, where: str) -> None:
@@ -184,6 +230,11 @@ def _check_state(value: Any, state: Any, where: str) -> None:
         if not isinstance(state, torch.Tensor) or state.shape != value.shape:
             got = tuple(state.shape) if isinstance(state, torch.Tensor) else type(state).__name__
             raise ValueError(f"{where}: {got}, expected a tensor of shape {tuple(value.shape)}")
+        if state.dtype != value.dtype:  # copy_ would cast it (a float file into a step count)
+            raise ValueError(
+                f"{where}: a {state.dtype} tensor, expected {value.dtype}; restore it into a "
+                f"tensor of dtype {value.dtype}"
+            )
     elif isinstance(value, torch.optim.lr_scheduler.LRScheduler):
         expected = value.state_dict()
         if not isinstance(state, Mapping) or not set(expected) <= set(state):
@@ -250,7 +301,9 @@ class CheckpointManager:
     ``{checkpoint_name}-{N}.pt`` (``tf.train.CheckpointManager``). The files of that name already
     there when it is made are its own, ordered by number: after a restart ``latest_checkpoint`` is
     the last run's newest, and saves go on numbering after it. Among workers, make it on every
-    worker before any of them saves (they must find the same files)."""
+    worker at the same point: every worker lists the folder, and none goes on (so the chief
+    saves nothing) until all have; a ValueError on every worker unless they found the same
+    files (separate disks). In one process that costs nothing."""
 
     def __init__(
         self,
@@ -281,6 +334,10 @@ class CheckpointManager:
         # Kept in memory after this listing, so that every worker numbers its saves alike
         # while the chief writes.
         self._numbers = [n for n, _ in _numbered(self.directory, checkpoint_name)]
+        checkpoint._strategy().check_same_on_workers(
+            torch.tensor(self._numbers, dtype=torch.int64),
+            f"the checkpoint numbers found in {self.directory!r} (here {self._numbers})",
+        )
 
     def _path(self, number: int) -> str:
         return os.path.join(self.directory, f"{self.checkpoint_name}-{number}{_SUFFIX}")
@@ -297,13 +354,28 @@ class CheckpointManager:
 
     def save(self, checkpoint_number: int | None = None) -> str:
         """Write the next checkpoint and delete the oldest beyond ``max_to_keep``; return its
-        path. Its number is ``checkpoint_number`` when given, else one more than both the
-        checkpoint's ``save_counter`` and the newest file's, so that no file is overwritten. Call
-        it on every worker at the same point: the chief writes and deletes."""
+        path. Its number is ``checkpoint_number`` when given (above the newest kept, so that
+        ``latest_checkpoint`` stays the newest), else one more than both the checkpoint's
+        ``save_counter`` and the newest file's, so that no file is overwritten. Call it on every
+        worker at the same point: the chief writes and deletes. A write that fails changes
+        nothing; a deletion that fails raises once the new file is counted and kept, and the
+        files it left stay in ``checkpoints``, to be deleted by the next save."""
+        number = self._next_number(checkpoint_number)
+        counter = number if checkpoint_number is None else self.checkpoint.save_counter + 1
+        path = self.checkpoint._write(self._path(number), counter)
+        self.checkpoint.save_counter = counter  # the file is there: count and keep it
+        self._numbers.append(number)
+        excess = 0 if self.max_to_keep is None else max(len(self._numbers) - self.max_to_keep, 0)
+        if excess:
+            stale = [self._path(old) for old in self._numbers[:excess]]
+            self.checkpoint._strategy().save_on_chief(lambda: _remove(stale, path))
+            del self._numbers[:excess]
+        return path
+
+    def _next_number(self, checkpoint_number: int | None) -> int:
         if checkpoint_number is None:
-            number = max([self.checkpoint.save_counter, *self._numbers]) + 1
-            self.checkpoint.save_counter = number
-        elif (
+            return max([self.checkpoint.save_counter, *self._numbers]) + 1
+        if (
             isinstance(checkpoint_number, bool)
             or not isinstance(checkpoint_number, int)
             or checkpoint_number < 0
@@ -312,27 +384,31 @@ class CheckpointManager:
                 f"checkpoint_number={checkpoint_number!r}: expected an int >= 0, or None for "
                 "the next number"
             )
-        else:
-            number = checkpoint_number
-            self.checkpoint.save_counter += 1
-        path = self._path(number)
-        state = self.checkpoint._state()  # on every worker: a sharded optimizer state is gathered
-        numbers = sorted(n for n in self._numbers if n != number)
-        excess = 0 if self.max_to_keep is None else max(len(numbers) + 1 - self.max_to_keep, 0)
-        stale = numbers[:excess]
-
-        def write() -> None:
-            checkpoint.save(state, path)
-            for old in stale:
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(self._path(old))
-
-        self.checkpoint._strategy().save_on_chief(write)
-        self._numbers = sorted({*numbers[len(stale) :], number})
-        return path
+        if self._numbers and checkpoint_number <= self._numbers[-1]:
+            # TensorFlow writes it, and its latest_checkpoint then names a file that is not
+            # the newest (or deletes the file just written).
+            raise ValueError(
+                f"checkpoint_number={checkpoint_number}: {self.directory!r} holds the "
+                f"checkpoints {self._numbers}; pass a number above {self._numbers[-1]}, or "
+                "None for the next"
+            )
+        return checkpoint_number
 
     def __repr__(self) -> str:
         return (
             f"CheckpointManager(directory={self.directory!r}, max_to_keep={self.max_to_keep}, "
             f"checkpoint_name={self.checkpoint_name!r})"
         )
+
+
+def _remove(paths: list[str], written: str) -> None:
+    """Delete the checkpoints beyond ``max_to_keep`` (ones already gone are fine)."""
+    for path in paths:
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
+        except OSError as error:
+            raise OSError(
+                error.errno, f"wrote {written!r}, but could not delete {path!r}: {error}"
+            ) from error
