@@ -98,5 +98,5 @@ def test_a_lazy_layer_the_forward_does_not_reach_is_named() -> None:
 
 def test_loading_into_a_lazy_model_before_it_is_built_is_refused() -> None:
     model = mirrored.Model(lazy_mlp())
-    with pytest.raises(RuntimeError, match="lazy parameters that are not built yet"):
+    with pytest.raises(ValueError, match="lazy parameters that are not built yet"):
         model.load_state_dict({})

@@ -1,5 +1,6 @@
 """Model.load into a model whose lazy layers are not built yet: the clear error load_weights
-gives (not an AttributeError from deep inside), and a load once they are built."""
+gives (not an AttributeError from deep inside), a ValueError that says how to build them, and a
+load once they are built."""
 
 from __future__ import annotations
 
@@ -34,11 +35,13 @@ def test_load_into_an_unbuilt_lazy_model_says_so_as_load_weights_does(tmp_path):
             lambda: unbuilt.load_weights(tmp_path / "weights.pt"),
             lambda: unbuilt.load_training_state(built.training_state()),
         ):
-            with pytest.raises(RuntimeError, match=r"lazy parameters that are not built yet") as e:
+            with pytest.raises(ValueError, match=r"lazy parameters that are not built yet") as e:
                 load()
             errors.append(str(e.value))
         assert len(set(errors)) == 1 and "Sequential" in errors[0]
+        assert "before loading: model.predict(x[:1])" in errors[0]
 
-        unbuilt.evaluate(x, y, verbose=0)  # builds it on its first batch
+        unbuilt.predict(x[:1], verbose=0)  # what the error says: one batch builds it
         unbuilt.load(tmp_path / "model.pt")
         assert_close(unbuilt.state_dict(), saved, rtol=0, atol=0)
+        unbuilt.evaluate(x, y, verbose=0)  # and it trains and evaluates as the saved one

@@ -77,13 +77,14 @@ def training_state(parts: ModelParts) -> dict[str, Any]:
     }
 
 
-def not_built(module: Any) -> RuntimeError:
+def not_built(module: Any) -> ValueError:
     """The error of a load into a model whose lazy parameters wait for their first batch: there
-    is nothing of their shapes to load into yet."""
-    return RuntimeError(
-        f"the module ({type(module).__name__}) has lazy parameters that are not built yet; "
-        "fit, evaluate and predict build them on their first batch (or call the module once on "
-        "an example batch before this)"
+    is nothing of their shapes to load into yet (``load``, ``load_weights``, ``load_state_dict``
+    and ``load_training_state`` alike)."""
+    return ValueError(
+        f"the module ({type(module).__name__}) has lazy parameters that are not built yet, so "
+        "there is nothing of their shapes to load into; run the model once on an example batch "
+        "before loading: model.predict(x[:1]) (fit and evaluate build them too)"
     )
 
 
