@@ -283,6 +283,13 @@ def test_bad_constructor_arguments():
         losses.MeanSquaredError(name=3)
     with pytest.raises(TypeError, match="fn=3"):
         losses.LossFunctionWrapper(3)
+    # The old order was (fn, name): a name in reduction's place says how to pass it.
+    with pytest.raises(ValueError, match=r"'my_loss' is not a loss reduction.*pass name=\.\.\."):
+        losses.LossFunctionWrapper(losses.mse, "my_loss")
+    with pytest.raises(ValueError, match=r"reduction=3 is not a loss reduction") as error:
+        losses.LossFunctionWrapper(losses.mse, 3)
+    assert "name=" not in str(error.value)
+    assert losses.LossFunctionWrapper(losses.mse, name="my_loss").name == "my_loss"
 
 
 def test_get_resolves_names_classes_instances_and_functions():

@@ -370,7 +370,15 @@ class LossFunctionWrapper(Loss):
     ) -> None:
         if not callable(fn):
             raise TypeError(f"fn={fn!r}: expected a function fn(y_true, y_pred)")
-        super().__init__(name if name is not None else function_name(fn), reduction)
+        try:
+            super().__init__(name if name is not None else function_name(fn), reduction)
+        except ValueError as error:
+            if isinstance(reduction, str) and reduction not in REDUCTIONS:  # the old (fn, name)
+                raise ValueError(
+                    f"{error}; to name the loss, pass name=... by keyword "
+                    f"(LossFunctionWrapper(fn, name={reduction!r}))"
+                ) from None
+            raise
         self.fn = fn
 
     def call(self, y_true: Any, y_pred: Any) -> torch.Tensor:
