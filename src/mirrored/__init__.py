@@ -50,6 +50,7 @@ from mirrored.replication.loss_scaling import (
 )
 from mirrored.replication.mirrored_module import MirroredModule
 from mirrored.replication.mirrored_optimizer import MirroredOptimizer
+from mirrored.replication.outside_edits import ReplicasDifferError
 
 # Imported for its effect: it names the strategy in effect outside any scope.
 from mirrored.strategies.default import default_strategy as _default_strategy  # noqa: F401
@@ -98,6 +99,7 @@ __all__ = [
     "ReductionToOneDevice",
     "ReplicaAbortedError",
     "ReplicaContext",
+    "ReplicasDifferError",
     "Strategy",
     "SyncMismatchError",
     "SyncTimeoutError",

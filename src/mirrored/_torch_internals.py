@@ -45,6 +45,7 @@ __all__ = [
     "foreach_mul_",
     "is_functorch_wrapped",
     "outside_functorch",
+    "parameter_hooks",
     "queue_backward_callback",
     "replace_checkpoint_implementations",
     "replace_gradient_readers",
@@ -244,6 +245,33 @@ def is_functorch_wrapped(tensor: torch.Tensor) -> bool:
     """Whether ``vmap`` or ``grad`` wrapped ``tensor``
     (``torch._C._functorch.is_functorch_wrapped_tensor``). Fallback: False."""
     return _is_functorch_wrapped_tensor(tensor)
+
+
+# Where a tensor keeps the hooks ``register_hook`` and ``register_post_accumulate_grad_hook``
+# add: a dict (hook id -> function) once one was registered, else None.
+_HOOK_ATTRIBUTES = {
+    "backward": "_backward_hooks",
+    "post_accumulate_grad": "_post_accumulate_grad_hooks",
+}
+
+
+def parameter_hooks(tensor: torch.Tensor) -> dict[str, dict[int, Callable[..., Any]]]:
+    """The hooks registered on ``tensor`` by kind (``"backward"``: ``register_hook``,
+    ``"post_accumulate_grad"``), each by its id (``Tensor._backward_hooks``,
+    ``Tensor._post_accumulate_grad_hooks``). Raises if torch keeps them elsewhere."""
+    hooks = {}
+    for kind, attribute in _HOOK_ATTRIBUTES.items():
+        try:
+            held = getattr(tensor, attribute)
+        except AttributeError:
+            tested = ".".join(map(str, TESTED_TORCH))
+            raise ImportError(
+                f"torch {torch.__version__} keeps a tensor's hooks in no Tensor.{attribute}, "
+                "which mirrored uses to carry hooks registered outside strategy.run to every "
+                f"replica; mirrored is written against torch {tested}: install torch=={tested}.*"
+            ) from None
+        hooks[kind] = dict(held) if held else {}
+    return hooks
 
 
 _safe_softmax: Callable[..., torch.Tensor] | None = getattr(torch, "_safe_softmax", None)

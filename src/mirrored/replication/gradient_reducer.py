@@ -43,6 +43,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from mirrored._torch_internals import queue_backward_callback, will_engine_execute_node
 from mirrored.comm.bucketing import plan_gradient_buckets
 from mirrored.comm.wire_compression import bucket_compressor
+from mirrored.replication.outside_edits import internal_hook
 
 if TYPE_CHECKING:
     from mirrored.comm.communicator import Communicator
@@ -164,7 +165,8 @@ class OverlappedGradientReducer:
         param = self._params[r][i]
         if param.requires_grad and not self._hooked[r][i]:
             self._accumulators[r][i] = _accumulator(param)
-            self._handles.append(param.register_hook(functools.partial(self._on_grad, r, i)))
+            hook = internal_hook(functools.partial(self._on_grad, r, i))
+            self._handles.append(param.register_hook(hook))
             self._hooked[r][i] = True
 
     def remove_hooks(self) -> None:

@@ -19,6 +19,7 @@ from torch import nn
 from mirrored.core.context import ReplicaContext, current_replica_context
 from mirrored.replication.buffer_sync import BufferSync, SyncsBuffers
 from mirrored.replication.mirror_features import NO_FEATURES, MirrorFeatures
+from mirrored.replication.outside_edits import CarriesOutsideEdits, OutsideEdits, ReplicaCheck
 
 if TYPE_CHECKING:
     from mirrored.strategies.in_process import InProcessStrategy
@@ -64,6 +65,7 @@ _OWN_ATTRIBUTES = {
     "_optimizers",
     "released",
     "_buffer_sync",
+    "_outside_edits",
 }
 # nn.Module methods that would move or retype one replica only.
 _FORBIDDEN = {"to", "cuda", "cpu", "xpu", "half", "float", "double", "bfloat16", "type", "to_empty"}
@@ -78,7 +80,7 @@ _BROADCAST = {
 }
 
 
-class MirroredModule(SyncsBuffers):
+class MirroredModule(SyncsBuffers, CarriesOutsideEdits):
     """One replica of a module per device of a strategy; calls go to the current replica.
 
     Inside ``strategy.run`` attribute access reaches the current replica. Outside, reads reach
@@ -87,7 +89,8 @@ class MirroredModule(SyncsBuffers):
     every replica and then copies replica 0's values to the others (so a random init stays
     identical). Moving or retyping one replica (``.to()``, ``.half()``) is an error: mirror the
     module after moving it. Buffers a replica changes are made the same on every replica after
-    each run (:mod:`mirrored.replication.buffer_sync`).
+    each run (:mod:`mirrored.replication.buffer_sync`); what the program changes on replica 0
+    between runs reaches every replica before the next (:mod:`mirrored.replication.outside_edits`).
     """
 
     def __init__(
@@ -102,6 +105,7 @@ class MirroredModule(SyncsBuffers):
         object.__setattr__(self, "_optimizers", weakref.WeakSet())
         object.__setattr__(self, "released", False)
         object.__setattr__(self, "_buffer_sync", BufferSync(replicas))
+        object.__setattr__(self, "_outside_edits", None)  # made when a strategy tracks it
 
     def _current(self) -> nn.Module:
         replica = replica_context_of(self._strategy)
@@ -120,6 +124,20 @@ class MirroredModule(SyncsBuffers):
         """At the end of a run, on every replica: the buffers any replica changed made the
         same on all (:mod:`mirrored.replication.buffer_sync`)."""
         self._buffer_sync.sync(replica)
+
+    def carry_outside_edits(self) -> None:
+        if self._outside_edits is None:  # a submodule's mirror: its root carries for it
+            return
+        self._outside_edits.carry()
+
+    def mark_outside_edits(self) -> None:
+        if self._outside_edits is None:
+            object.__setattr__(self, "_outside_edits", OutsideEdits(self.replicas))
+        else:
+            self._outside_edits.mark()
+
+    def check_replicas(self, when: str) -> None:
+        ReplicaCheck(self.replicas).verify(when)
 
     def release(self) -> None:
         """Give up these replicas, so that the module (replica 0) can be mirrored again; this
@@ -225,6 +243,7 @@ class MirroredModule(SyncsBuffers):
             for replica in self.replicas[1:]:
                 for mine, source in zip(tensors_of(replica), first, strict=True):
                     mine.copy_(source)
+        self.mark_outside_edits()
 
     def train(self, mode: bool = True) -> MirroredModule:
         """Set training mode on every replica."""

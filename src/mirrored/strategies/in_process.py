@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 import functools
+import os
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -48,6 +49,7 @@ from mirrored.input import (
     prefetch_depth,
 )
 from mirrored.replication.buffer_sync import SyncsBuffers
+from mirrored.replication.outside_edits import CarriesOutsideEdits
 
 __all__ = ["InProcessStrategy", "add_note"]
 
@@ -84,6 +86,8 @@ class InProcessStrategy(Strategy):
         self._physical_gpus = tuple(
             sorted({d.physical.index for d in self.devices if d.device_type == "GPU"})
         )
+        # Verify the replicas bit-identical before and after each run (a debugging aid).
+        self.check_replicas = os.environ.get("MIRRORED_CHECK_REPLICAS", "") not in ("", "0")
 
     @property
     def cross_device_ops(self) -> CrossDeviceOps:
@@ -173,6 +177,7 @@ class InProcessStrategy(Strategy):
         # One run at a time, from any number of caller threads: a failed run's resync must not
         # touch the replicas of another caller's run.
         with self._run_lock:
+            edited = self._carry_outside_edits()
             try:
                 outcomes = self._execute(tasks, rendezvous)
             except BaseException as interrupted:
@@ -184,6 +189,7 @@ class InProcessStrategy(Strategy):
                 self._resync_replicated(root)
                 raise root
             self._observe_run(rendezvous, (tuple(args), kwargs))
+            self._mark_outside_edits(edited)
         try:
             return regroup([o[1] for o in outcomes])
         except (ValueError, KeyError) as mismatch:
@@ -194,8 +200,33 @@ class InProcessStrategy(Strategy):
 
     def track_replicated(self, replicated: Replicated) -> None:
         """Resync ``replicated`` from replica 0 whenever a run fails, so that a step that failed
-        on some replicas after others had updated cannot leave them diverged."""
+        on some replicas after others had updated cannot leave them diverged; and carry what the
+        program changes on its replica 0 between runs to the others."""
         self._replicated[replicated] = None
+        if isinstance(replicated, CarriesOutsideEdits):
+            replicated.mark_outside_edits()
+
+    def _carry_outside_edits(self) -> list[CarriesOutsideEdits]:
+        """Before a run: what the program changed on replica 0 of each mirrored module since the
+        last run, onto every replica (and, with ``check_replicas``, verified)."""
+        if len(self.devices) == 1:
+            return []
+        edited: list[CarriesOutsideEdits] = [
+            r for r in list(self._replicated) if isinstance(r, CarriesOutsideEdits)
+        ]
+        for module in edited:
+            module.carry_outside_edits()
+            if self.check_replicas:
+                module.check_replicas("before a run")
+        return edited
+
+    def _mark_outside_edits(self, edited: Sequence[CarriesOutsideEdits]) -> None:
+        """After a run: what later edits are measured from (and, with ``check_replicas``,
+        the replicas verified)."""
+        for module in edited:
+            module.mark_outside_edits()
+            if self.check_replicas:
+                module.check_replicas("after a run")
 
     def untrack_replicated(self, replicated: Replicated) -> None:
         """Stop resyncing ``replicated`` (a released mirror)."""

@@ -58,6 +58,10 @@ class MirroredStrategy(ReplicatedStrategy):
             state: 1/N per replica), 2 the gradients too; 0 (the default) keeps all of it on
             every replica (`mirrored.replication.zero_redundancy`). Needs one of torch's
             per-parameter optimizers.
+        check_replicas: verify before and after every run that each replica's parameters and
+            buffers are bit-identical to replica 0's, and raise `ReplicasDifferError` naming
+            the tensor otherwise: a debugging aid that reads every tensor twice a run. None:
+            on when the environment sets `MIRRORED_CHECK_REPLICAS=1`.
     """
 
     def __init__(
@@ -70,6 +74,7 @@ class MirroredStrategy(ReplicatedStrategy):
         local_sgd: LocalSGD | None = None,
         load_balancing: LoadBalancing | None = None,
         zero_stage: int = 0,
+        check_replicas: bool | None = None,
     ) -> None:
         if load_balancing is not None and not isinstance(load_balancing, LoadBalancing):
             raise TypeError(
@@ -99,6 +104,7 @@ class MirroredStrategy(ReplicatedStrategy):
         )
         config.mark_in_use(logical)
         cap_process_memory(logical)
+        self._choose_replica_check(check_replicas, local_sgd)
 
         cpu_replicas = sum(1 for d in logical if d.device_type == "CPU") or 1
         threads = max(1, torch.get_num_threads() // cpu_replicas)
@@ -114,6 +120,17 @@ class MirroredStrategy(ReplicatedStrategy):
         self._caller_streams: list[torch.cuda.Stream | None] = [None] * len(logical)
         # Stop the threads when the strategy is collected without close().
         self._finalizer = weakref.finalize(self, self._workers.close, False)
+
+    def _choose_replica_check(self, check_replicas: bool | None, local_sgd: Any) -> None:
+        """``check_replicas``, or the environment's choice when None; refused with local SGD,
+        whose replicas differ between averages by design."""
+        if check_replicas is not None:
+            self.check_replicas = check_replicas
+        if self.check_replicas and local_sgd is not None:
+            raise ValueError(
+                "check_replicas=True with local_sgd: local SGD keeps the replicas apart between "
+                "averages by design; check a run without local_sgd"
+            )
 
     def _balanced_sizes(self) -> Callable[[int], list[int]] | None:
         return None if self.replica_speeds is None else self.replica_speeds.sizes

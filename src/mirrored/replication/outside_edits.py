@@ -1,0 +1,227 @@
+"""What a program does to the model outside ``strategy.run``, carried to every replica.
+
+Outside ``run`` the mirrored module hands out replica 0 (the user's module): a parameter frozen
+by ``p.requires_grad = False``, an edit under ``torch.no_grad()`` (``p.mul_()``, ``p.copy_()``),
+``p.data = ...``, a forward in training mode that moves BatchNorm's running statistics, a hook
+registered with ``p.register_hook`` all change replica 0 alone. Before each run, what changed
+on replica 0 since the last one is copied to the other replicas: a tensor whose version counter
+or storage moved gets replica 0's values, a flag replica 0's flag, a hook registered on replica
+0's parameter the same hook on the others' (and removed with it). Only what changed is touched,
+so an untouched model costs one pass over its tensors' counters per run.
+
+An edit through ``p.data`` in place (``p.data.clamp_()``) does not move the version counter, by
+torch's design: it reaches replica 0 only. ``check_replicas`` (:class:`ReplicaCheck`) finds it,
+naming the tensor.
+"""
+
+from __future__ import annotations
+
+import abc
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from mirrored._torch_internals import parameter_hooks
+
+__all__ = [
+    "CarriesOutsideEdits",
+    "OutsideEdits",
+    "ReplicaCheck",
+    "ReplicasDifferError",
+    "internal_hook",
+]
+
+HookT = TypeVar("HookT", bound=Callable[..., Any])
+
+# (version counter, storage address, requires_grad) of a tensor.
+_Mark = tuple[int, int, bool]
+# (tensor's index, hook kind, replica 0's hook id) -> the same hook's handles on the others.
+_HookKey = tuple[int, str, int]
+
+
+def named_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Parameters then buffers by name, in an order that is the same on every replica."""
+    parameters = module.named_parameters(remove_duplicate=False)
+    return [*parameters, *module.named_buffers(remove_duplicate=False)]
+
+
+class CarriesOutsideEdits(abc.ABC):
+    """A replicated module whose replica 0 the program may change between runs."""
+
+    @abc.abstractmethod
+    def carry_outside_edits(self) -> None:
+        """Before a run: replica 0's changes since the last run onto every replica."""
+
+    @abc.abstractmethod
+    def mark_outside_edits(self) -> None:
+        """After a run: what later changes are measured from."""
+
+    @abc.abstractmethod
+    def check_replicas(self, when: str) -> None:
+        """Raise ``ReplicasDifferError`` unless every replica is bit-identical to replica 0."""
+
+
+def _buffer_siblings(
+    named: Sequence[tuple[str, torch.Tensor]], module: nn.Module
+) -> dict[int, list[int]]:
+    """For each buffer's index in ``named`` (``named_tensors(module)``: parameters, then
+    buffers), the indices of the buffers of the same submodule."""
+    num_parameters = len(list(module.named_parameters(remove_duplicate=False)))
+    by_owner: dict[str, list[int]] = {}
+    for index in range(num_parameters, len(named)):
+        by_owner.setdefault(named[index][0].rpartition(".")[0], []).append(index)
+    return {index: group for group in by_owner.values() for index in group}
+
+
+def _mark(tensor: torch.Tensor) -> _Mark:
+    return tensor._version, tensor.data_ptr(), tensor.requires_grad
+
+
+class OutsideEdits:
+    """Carries replica 0's changes made between runs to the other replicas."""
+
+    def __init__(self, replicas: Sequence[nn.Module]) -> None:
+        self._replicas = tuple(replicas)
+        self._hooks: dict[_HookKey, list[Any]] = {}
+        self._tensors: list[list[torch.Tensor]] = [[] for _ in self._replicas]
+        self._marks: list[_Mark] = []
+        self._hook_ids: list[frozenset[_HookKey]] = []
+        self._siblings: dict[int, list[int]] = {}
+        self.mark()
+
+    def mark(self) -> None:
+        """After a run (or a resync): the state every later change is measured from. The
+        replicas' tensors are looked up again (a run may reassign a buffer)."""
+        named = named_tensors(self._replicas[0])
+        first = [t for _, t in named]
+        cached = self._tensors[0]
+        if len(first) != len(cached) or any(a is not b for a, b in zip(first, cached, strict=True)):
+            self._tensors = [first] + [[t for _, t in named_tensors(r)] for r in self._replicas[1:]]
+            self._siblings = _buffer_siblings(named, self._replicas[0])
+        self._marks = [_mark(t) for t in first]
+        self._hook_ids = [self._hook_keys(i, t) for i, t in enumerate(first)]
+
+    def carry(self) -> None:
+        """Before a run: replica 0's changes since ``mark`` onto every other replica."""
+        first = self._tensors[0]
+        changed: dict[int, bool] = {}  # index -> whether its requires_grad changed
+        for index, tensor in enumerate(first):
+            mark = _mark(tensor)
+            if mark != self._marks[index]:
+                changed[index] = mark[2] != self._marks[index][2]
+                # Some kernels write in place without counting a version (BatchNorm's running
+                # statistics): a module's changed buffer stands for all of its buffers.
+                changed.update((sibling, False) for sibling in self._siblings.get(index, ()))
+            if isinstance(tensor, nn.Parameter):
+                keys = self._hook_keys(index, tensor)
+                if keys != self._hook_ids[index]:
+                    self._carry_hooks(index, tensor, keys)
+        for index, changed_flag in changed.items():
+            self._carry_tensor(index, first[index], changed_flag)
+        self.mark()
+
+    def _carry_tensor(self, index: int, source: torch.Tensor, changed_flag: bool) -> None:
+        with torch.no_grad():
+            for tensors in self._tensors[1:]:
+                target = tensors[index]
+                if target.shape != source.shape or target.dtype != source.dtype:
+                    raise ValueError(
+                        f"replica 0's tensor #{index} became {tuple(source.shape)} "
+                        f"{source.dtype} outside strategy.run; change a module's structure "
+                        "before strategy.mirror(), or load a state into every replica with "
+                        "model.load_state_dict()"
+                    )
+                target.copy_(source)
+                if changed_flag:
+                    target.requires_grad_(source.requires_grad)
+
+    def _hook_keys(self, index: int, tensor: torch.Tensor) -> frozenset[_HookKey]:
+        """The user's hooks on replica 0's tensor (mirrored's own are every replica's)."""
+        return frozenset(
+            (index, kind, hook_id)
+            for kind, hooks in parameter_hooks(tensor).items()
+            for hook_id, hook in hooks.items()
+            if hook not in _INTERNAL_HOOKS
+        )
+
+    def _carry_hooks(self, index: int, tensor: torch.Tensor, keys: frozenset[_HookKey]) -> None:
+        """Hooks registered on replica 0's parameter since ``mark`` onto the others'; the
+        others' copies of hooks since removed from replica 0, removed."""
+        hooks = parameter_hooks(tensor)
+        for key in keys - self._hook_ids[index]:
+            _, kind, hook_id = key
+            register = _REGISTER[kind]
+            hook = hooks[kind][hook_id]
+            self._hooks[key] = [register(t[index], hook) for t in self._tensors[1:]]
+        for key in self._hook_ids[index] - keys:
+            for handle in self._hooks.pop(key, ()):
+                handle.remove()
+
+
+# Hooks mirrored registers on every replica's parameters itself (the gradient reducer's).
+_INTERNAL_HOOKS: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
+
+
+def internal_hook(hook: HookT) -> HookT:
+    """Mark ``hook`` as mirrored's own, registered on every replica: not carried."""
+    _INTERNAL_HOOKS.add(hook)
+    return hook
+
+
+_REGISTER: dict[str, Callable[[torch.Tensor, Callable[..., Any]], Any]] = {
+    "backward": lambda tensor, hook: tensor.register_hook(hook),
+    "post_accumulate_grad": lambda tensor, hook: tensor.register_post_accumulate_grad_hook(hook),
+}
+
+
+class ReplicasDifferError(RuntimeError):
+    """The replicas of a mirrored module hold different values where they must be identical."""
+
+
+class ReplicaCheck:
+    """``check_replicas``: every replica's parameters and buffers bit-identical to replica 0's,
+    before and after each run, or an error naming the tensor. A debugging aid: it reads every
+    tensor of every replica, twice a run."""
+
+    def __init__(self, replicas: Sequence[nn.Module]) -> None:
+        self._replicas = tuple(replicas)
+
+    def verify(self, when: str) -> None:
+        """``when``: "before a run" (after replica 0's outside edits were carried) or "after a
+        run"; it says in the error what could have made them differ."""
+        first = named_tensors(self._replicas[0])
+        for replica_id, replica in enumerate(self._replicas[1:], start=1):
+            for (name, source), (_, tensor) in zip(first, named_tensors(replica), strict=True):
+                difference = _difference(source, tensor)
+                if difference is not None:
+                    raise ReplicasDifferError(
+                        f"{when}, {name!r} {difference} on replica {replica_id} and replica 0. "
+                        + _CAUSES[when]
+                    )
+
+
+_CAUSES = {
+    "before a run": (
+        "An edit through .data outside strategy.run (p.data.clamp_()) reaches replica 0 only: "
+        "torch's version counter does not see it; edit under torch.no_grad() instead, or "
+        "inside the replica function"
+    ),
+    "after a run": (
+        "The replica function changed it differently on the replicas (an edit that depends on "
+        "the replica's shard, or a parameter updated outside a mirrored optimizer)"
+    ),
+}
+
+
+def _difference(source: torch.Tensor, tensor: torch.Tensor) -> str | None:
+    """How ``tensor`` differs from ``source`` (flag or values), or None."""
+    if source.requires_grad != tensor.requires_grad:
+        return f"has requires_grad={tensor.requires_grad} and {source.requires_grad}"
+    mine, theirs = tensor.detach().cpu(), source.detach().cpu()
+    if torch.equal(mine, theirs):
+        return None
+    gap = (mine.double() - theirs.double()).abs().max().item()
+    return f"differs by up to {gap:.3g}"

@@ -1,0 +1,188 @@
+"""What a program does to the model outside ``strategy.run`` reaches every replica: freezing by
+attribute, edits under ``torch.no_grad()``, ``p.data = ...``, a forward in training mode, hooks
+on a parameter; ``check_replicas`` names a tensor the replicas disagree on."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mirrored
+from tests.reference_loops import (
+    assert_replicas_identical,
+    assert_same_parameters,
+    make_batches,
+    make_mlp,
+)
+
+pytestmark = pytest.mark.usefixtures("float64")  # exactness in float64: tests/exactness.py
+
+DEVICES = ["cpu:0", "cpu:1", "cpu:2"]
+Edit = Callable[[nn.Module, int], None]  # (the model as the program holds it, the step)
+
+
+def _plain(model: nn.Module, edit: Edit, batches) -> nn.Module:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step, (x, y) in enumerate(batches):
+        edit(model, step)
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model
+
+
+def _mirrored(model: nn.Module, edit: Edit, batches, **strategy_options) -> mirrored.MirroredModule:
+    with mirrored.MirroredStrategy(DEVICES, **strategy_options) as strategy:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        mirrored_model, mirrored_optimizer = strategy.mirror(model, optimizer)
+
+        def step(x, y):
+            loss = F.cross_entropy(mirrored_model(x), y, reduction="none")
+            mirrored.compute_average_loss(loss).backward()
+            mirrored_optimizer.step()
+            mirrored_optimizer.zero_grad()
+
+        for number, batch in enumerate(strategy.experimental_distribute_dataset(batches)):
+            edit(mirrored_model, number)
+            strategy.run(step, args=batch)
+    return mirrored_model
+
+
+def _assert_like_the_plain_loop(edit: Edit, **strategy_options) -> mirrored.MirroredModule:
+    batches = make_batches()
+    expected = _plain(make_mlp(), edit, batches)
+    actual = _mirrored(make_mlp(), edit, batches, **strategy_options)
+    assert_same_parameters(expected, actual)
+    assert_replicas_identical(actual)
+    return actual
+
+
+def _freeze_first_layer_by_attribute(model, step):
+    if step == 4:  # between epochs, the common idiom
+        for parameter in model[0].parameters():
+            parameter.requires_grad = False
+
+
+def _edit_under_no_grad(model, step):
+    with torch.no_grad():
+        model[2].weight.mul_(0.9)  # a hand-made weight decay
+        model[4].bias.copy_(model[4].bias.clamp(-0.05, 0.05))
+
+
+def _replace_data(model, step):
+    if step % 3 == 0:
+        model[0].bias.data = model[0].bias.detach() * 0.5
+
+
+def _double_the_gradient(parameter):
+    parameter.grad.mul_(2)
+
+
+def _hook_on_a_parameter(model, step):
+    if step == 2:
+        model[2].weight.register_hook(lambda grad: grad * 0.25)
+        model[4].bias.register_post_accumulate_grad_hook(_double_the_gradient)
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [_freeze_first_layer_by_attribute, _edit_under_no_grad, _replace_data, _hook_on_a_parameter],
+)
+def test_an_edit_outside_run_reaches_every_replica(edit):
+    model = _assert_like_the_plain_loop(edit, check_replicas=True)
+    if edit is _freeze_first_layer_by_attribute:
+        assert not any(p.requires_grad for r in model.replicas for p in r[0].parameters())
+
+
+def test_a_hook_removed_outside_run_is_removed_from_every_replica():
+    handles = []
+
+    def edit(model, step):
+        if step == 1:
+            handles.append(model[2].weight.register_hook(lambda grad: grad * 0.25))
+        if step == 5:
+            handles.pop().remove()
+
+    _assert_like_the_plain_loop(edit)
+
+
+class _Normalised(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(2)
+        self.inp, self.norm, self.out = nn.Linear(12, 16), nn.BatchNorm1d(16), nn.Linear(16, 5)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.norm(self.inp(x))))
+
+
+def test_a_forward_outside_run_in_training_mode_moves_every_replica_s_statistics():
+    """dcgan samples ``netG(fixed_noise)`` between steps in training mode: the statistics it
+    moves on replica 0 are every replica's before the next run (which normalises with the
+    global batch: ``sync_batch_norm``)."""
+    batches, sample = make_batches(), torch.randn(6, 12)
+    expected = _Normalised()
+    optimizer = torch.optim.SGD(expected.parameters(), lr=0.1)
+    for x, y in batches:
+        expected(sample)
+        F.cross_entropy(expected(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    with mirrored.MirroredStrategy(DEVICES, check_replicas=True) as strategy:
+        module = _Normalised()
+        model, mirrored_optimizer = strategy.mirror(
+            module, torch.optim.SGD(module.parameters(), lr=0.1), sync_batch_norm=True
+        )
+
+        def step(x, y):
+            loss = F.cross_entropy(model(x), y, reduction="none")
+            mirrored.compute_average_loss(loss).backward()
+            mirrored_optimizer.step()
+            mirrored_optimizer.zero_grad()
+
+        for batch in strategy.experimental_distribute_dataset(batches):
+            model(sample)
+            strategy.run(step, args=batch)
+    assert_same_parameters(expected, model)  # running statistics included
+    assert_replicas_identical(model)
+
+
+def test_a_data_edit_in_place_outside_run_is_named_by_check_replicas():
+    def edit(model, step):
+        if step == 3:
+            model[0].weight.data.clamp_(-0.01, 0.01)  # invisible to torch's version counter
+
+    with pytest.raises(mirrored.ReplicasDifferError, match=r"before a run, '0.weight' differs"):
+        _mirrored(make_mlp(), edit, make_batches(), check_replicas=True)
+
+
+def test_check_replicas_names_a_tensor_a_step_changed_differently(monkeypatch):
+    monkeypatch.setenv("MIRRORED_CHECK_REPLICAS", "1")
+    with mirrored.MirroredStrategy(DEVICES) as strategy:
+        model = strategy.mirror(make_mlp())
+
+        def step():
+            replica = mirrored.get_replica_context().replica_id_in_sync_group
+            with torch.no_grad():
+                model[4].bias.add_(replica)
+
+        with pytest.raises(mirrored.ReplicasDifferError, match=r"after a run, '4.bias' differs"):
+            strategy.run(step)
+
+
+def test_check_replicas_refuses_local_sgd():
+    with pytest.raises(ValueError, match="local SGD keeps the replicas apart"):
+        mirrored.MirroredStrategy(DEVICES, local_sgd=mirrored.LocalSGD(2), check_replicas=True)
+
+
+def test_an_untouched_model_costs_the_other_replicas_no_copy():
+    with mirrored.MirroredStrategy(DEVICES) as strategy:
+        model = strategy.mirror(make_mlp())
+        versions = [[p._version for p in r.parameters()] for r in model.replicas[1:]]
+        for _ in range(3):
+            strategy.run(lambda: model(torch.randn(2, 12)))
+        assert [[p._version for p in r.parameters()] for r in model.replicas[1:]] == versions
