@@ -207,8 +207,17 @@ def _how_reduced(root: torch.Tensor) -> str:
 
 
 # Nodes through which a sum over the shard stays exact under the replicas' sum of gradients.
-_SUM_PRESERVING = ("AddBackward", "SubBackward", "NegBackward", "MulBackward", "ToCopyBackward")
-_SUM_PRESERVING += ("CloneBackward", "ViewBackward", "ReshapeAliasBackward", "SqueezeBackward")
+_SUM_PRESERVING = (
+    "AddBackward",
+    "SubBackward",
+    "NegBackward",
+    "MulBackward",
+    "ToCopyBackward",
+    "CloneBackward",
+    "ViewBackward",
+    "ReshapeAliasBackward",
+    "SqueezeBackward",
+)
 
 
 def _keeps_a_sum(node: object) -> bool:
