@@ -37,3 +37,24 @@ def test_a_batch_must_share_its_first_dimension():
         split_batch((torch.zeros(3), torch.zeros(4)), [CPU] * 2)
     with pytest.raises(ValueError, match="no batched tensor"):
         split_batch(("a", 1), [CPU] * 2)
+
+
+def test_a_batch_dim_splits_sequence_first_tensors_along_it():
+    tokens = torch.arange(4 * 5).reshape(4, 5)  # [seq, batch]: 5 sequences of 4 tokens
+    batch = (tokens, tokens + 100, torch.tensor(0.5))
+    data, targets, scalar = split_batch(batch, [CPU] * 2, batch_dim=1)
+    assert data.global_batch_size == 5
+    assert [s.shape for s in data.values] == [(4, 3), (4, 2)]
+    assert torch.equal(torch.cat(targets.values, dim=1), tokens + 100)
+    assert scalar.item() == 0.5  # no batch dimension: every replica's, as with dim 0
+    ragged = split_batch(tokens, [CPU] * 2, first_shard=1, num_shards=3, batch_dim=1)
+    assert torch.equal(torch.cat(ragged.values, dim=1), tokens[:, 2:])
+
+
+def test_a_tensor_without_the_batch_dim_names_its_shape_and_the_option():
+    flat_targets = torch.zeros(20)  # word_language_model's target.view(-1)
+    with pytest.raises(ValueError, match=r"batch_dim=1.*shape \[20\]") as raised:
+        split_batch((torch.zeros(4, 5), flat_targets), [CPU] * 2, batch_dim=1)
+    assert "inside the step" in str(raised.value)
+    with pytest.raises(ValueError, match=r"common batch dimension \(dim 1\); got \[3, 5\]"):
+        split_batch((torch.zeros(4, 5), torch.zeros(4, 3)), [CPU] * 2, batch_dim=1)

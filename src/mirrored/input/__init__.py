@@ -1,10 +1,10 @@
 """Distributing input: the contexts and options of TensorFlow's input API, and the public names.
 
-``InputContext`` tells an input function which part of the data to produce, ``InputOptions`` how a
-distributed dataset is read, ``ValueContext`` which replica a value is for. How batches become
-per-replica shards lives in :mod:`mirrored.input.batch_split`, the distributed datasets in
-:mod:`mirrored.input.distributed_dataset` and :mod:`mirrored.input.loader_parts`; this module
-gathers them.
+``InputContext`` tells an input function which part of the data to produce, ``InputOptions``
+(:mod:`mirrored.input.options`) how a distributed dataset is read, ``ValueContext`` which replica
+a value is for. How batches become per-replica shards lives in :mod:`mirrored.input.batch_split`,
+the distributed datasets in :mod:`mirrored.input.distributed_dataset` and
+:mod:`mirrored.input.loader_parts`; this module gathers them.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from mirrored.input.loader_parts import (
     refuse_distributed_sampler,
     shardable_loader,
 )
+from mirrored.input.options import InputOptions, input_settings, prefetch_depth
 
 __all__ = [
     "DistributedDataset",
@@ -43,6 +44,7 @@ __all__ = [
     "distribute_loader_parts",
     "distribute_replica_batches",
     "global_batch_size_of",
+    "input_settings",
     "prefetch_depth",
     "refuse_distributed_sampler",
     "shard_sizes",
@@ -68,41 +70,6 @@ class InputContext:
                 f"num_replicas_in_sync={self.num_replicas_in_sync}"
             )
         return global_batch_size // self.num_replicas_in_sync
-
-
-@dataclasses.dataclass(frozen=True)
-class InputOptions:
-    """How a distributed dataset is read (TensorFlow's ``tf.distribute.InputOptions``).
-
-    Args:
-        experimental_per_replica_buffer_size: global batches read, split and copied to the
-            devices ahead of the training, on a background thread (:mod:`mirrored.input.prefetch`);
-            0 reads each when the loop asks for it. Off by default: a dataset that draws from
-            torch's global generator as it reads (random augmentation in the main process)
-            would draw from it concurrently with the training, in no fixed order.
-    """
-
-    experimental_per_replica_buffer_size: int = 0
-
-    def __post_init__(self) -> None:
-        size = self.experimental_per_replica_buffer_size
-        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-            raise ValueError(
-                f"InputOptions(experimental_per_replica_buffer_size={size!r}): expected a whole "
-                "number >= 0 (0: no reading ahead)"
-            )
-
-
-def prefetch_depth(options: InputOptions | None) -> int:
-    """How many batches ``options`` reads ahead (a TypeError for anything but InputOptions)."""
-    if options is None:
-        return 0
-    if not isinstance(options, InputOptions):
-        raise TypeError(
-            f"options={options!r}: expected mirrored.InputOptions("
-            "experimental_per_replica_buffer_size=...)"
-        )
-    return options.experimental_per_replica_buffer_size
 
 
 @dataclasses.dataclass(frozen=True)

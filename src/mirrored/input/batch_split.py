@@ -1,10 +1,10 @@
 """Splitting a global batch into per-replica shards, and the shards' global batch size.
 
-A global batch of B examples is split along dim 0 into shards that differ by at most one example
-(larger shards first); a batch smaller than the replica count gives empty shards, which contribute
-zero gradient. No example is dropped or counted twice. Each shard is a ``PerReplicaShards`` that
-remembers the global batch size, so ``compute_average_loss`` divides by it even for the ragged
-last batch.
+A global batch of B examples is split along dim 0 (or ``InputOptions(batch_dim=...)``) into
+shards that differ by at most one example (larger shards first); a batch smaller than the
+replica count gives empty shards, which contribute zero gradient. No example is dropped or
+counted twice. Each shard is a ``PerReplicaShards`` that remembers the global batch size, so
+``compute_average_loss`` divides by it even for the ragged last batch.
 """
 
 from __future__ import annotations
@@ -63,12 +63,26 @@ def from_numpy_leaf(leaf: Any) -> Any:
     return torch.from_numpy(leaf) if isinstance(leaf, np.ndarray) else leaf
 
 
-def batch_size_of(batch: Any) -> int:
-    """Dim 0 of the tensors of a batch; they must all agree."""
-    sizes = {t.shape[0] for t in flatten(batch) if isinstance(t, torch.Tensor) and t.dim() > 0}
+def batch_size_of(batch: Any, batch_dim: int = 0) -> int:
+    """Dim ``batch_dim`` of the tensors of a batch; they must all agree. A scalar has no batch
+    dimension; any other tensor with no dim ``batch_dim`` is refused."""
+    sizes: set[int] = set()
+    for t in flatten(batch):
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            continue
+        if t.dim() <= batch_dim:
+            raise ValueError(
+                f"InputOptions(batch_dim={batch_dim}) splits every tensor of a batch along dim "
+                f"{batch_dim}, but one has shape {list(t.shape)}; give it that dimension (keep "
+                "sequence-first targets [seq, batch] and flatten them inside the step)"
+            )
+        sizes.add(t.shape[batch_dim])
     if len(sizes) != 1:
+        which = (
+            "first (batch) dimension" if batch_dim == 0 else f"batch dimension (dim {batch_dim})"
+        )
         raise ValueError(
-            "a batch must hold tensors with one common first (batch) dimension; got "
+            f"a batch must hold tensors with one common {which}; got "
             f"{sorted(sizes) if sizes else 'no batched tensor'}"
         )
     return sizes.pop()
@@ -90,6 +104,7 @@ def split_batch(
     global_batch_size: int | None = None,
     sizes_of: Callable[[int], list[int]] | None = None,
     pin: bool = False,
+    batch_dim: int = 0,
 ) -> Any:
     """One global batch -> the same structure with ``PerReplicaShards`` leaves on ``devices``
     (a None device leaves its shard where the batch is). ``sizes_of(batch_size)``: the shard
@@ -98,10 +113,11 @@ def split_batch(
 
     Across workers the batch splits into ``num_shards`` (every replica of every worker) and this
     process keeps shards ``first_shard ..`` for its own devices. A worker that loaded only its
-    own part passes that part and the ``global_batch_size`` it came from.
+    own part passes that part and the ``global_batch_size`` it came from. ``batch_dim``: the
+    dimension of every tensor that counts the examples (``InputOptions(batch_dim=...)``).
     """
     batch = map_structure(from_numpy_leaf, batch)
-    batch_size = batch_size_of(batch)
+    batch_size = batch_size_of(batch, batch_dim)
     if sizes_of is None:
         all_sizes = shard_sizes(batch_size, num_shards or len(devices))
     else:
@@ -118,7 +134,7 @@ def split_batch(
         shards = (
             (leaf.view_as(leaf),)
             if whole
-            else torch.split(leaf.narrow(0, start, sum(sizes)), sizes)
+            else torch.split(leaf.narrow(batch_dim, start, sum(sizes)), sizes, dim=batch_dim)
         )
         return PerReplicaShards(
             [_place(s, d, pin) for s, d in zip(shards, devices, strict=True)],

@@ -22,6 +22,7 @@ from mirrored.input.batch_split import (
     split_batch,
     stack_replica_batches,
 )
+from mirrored.input.options import InputOptions, input_settings
 from mirrored.input.prefetch import ahead
 
 __all__ = [
@@ -77,10 +78,14 @@ def distribute_global_batches(
     agreement: StepAgreement | None = None,
     sizes_of: Callable[[int], list[int]] | None = None,
     prefetch: int = 0,
+    options: InputOptions | None = None,
 ) -> DistributedDataset:
     """Each global batch of ``dataset`` split into per-replica shards on ``devices`` (this
     worker's ``devices`` hold shards ``first_shard ..`` of ``num_shards``), as ``sizes_of``
-    says when given (asked afresh for every batch); ``prefetch`` batches read ahead."""
+    says when given (asked afresh for every batch); ``prefetch`` batches read ahead, or as
+    ``options`` say, which also give the dimension each batch is split along."""
+    depth, batch_dim = input_settings(options)
+    prefetch = prefetch or depth
 
     def batches() -> Iterator[Any]:
         iterator = iter(dataset)
@@ -95,7 +100,13 @@ def distribute_global_batches(
             )
         prepared = (
             split_batch(
-                batch, devices, first_shard, num_shards, sizes_of=sizes_of, pin=bool(prefetch)
+                batch,
+                devices,
+                first_shard,
+                num_shards,
+                sizes_of=sizes_of,
+                pin=bool(prefetch),
+                batch_dim=batch_dim,
             )
             for batch in iterator
         )

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Sa
 from mirrored.core.values import map_structure
 from mirrored.input.batch_split import shard_sizes, split_batch
 from mirrored.input.distributed_dataset import DistributedDataset, StepAgreement
+from mirrored.input.options import InputOptions, input_settings
 from mirrored.input.prefetch import ahead
 
 __all__ = ["distribute_loader_parts", "refuse_distributed_sampler", "shardable_loader"]
@@ -114,11 +115,14 @@ def distribute_loader_parts(
     num_shards: int,
     agreement: StepAgreement | None = None,
     prefetch: int = 0,
+    options: InputOptions | None = None,
 ) -> DistributedDataset:
     """Like ``distribute_global_batches`` for a DataLoader, but this worker loads only the
     examples of its own shards (a clone of ``loader`` over the same dataset, sampler and
     settings, whose batches hold this worker's part of each global batch); ``prefetch``
-    batches read ahead."""
+    batches read ahead, or as ``options`` say, which also give the batch dimension."""
+    depth, batch_dim = input_settings(options)
+    prefetch = prefetch or depth
 
     def batches() -> Iterator[Any]:
         sizes: deque[tuple[int, int]] = deque()
@@ -133,11 +137,20 @@ def distribute_loader_parts(
                 global_batch_size, kept = sizes.popleft()
                 if not kept:
                     part = map_structure(
-                        lambda t: t[:0] if isinstance(t, torch.Tensor) and t.dim() else t, part
+                        lambda t: (
+                            t.narrow(batch_dim, 0, 0)
+                            if isinstance(t, torch.Tensor) and t.dim() > batch_dim
+                            else t
+                        ),
+                        part,
                     )
                 yield (
                     split_batch(
-                        part, devices, global_batch_size=global_batch_size, pin=bool(prefetch)
+                        part,
+                        devices,
+                        global_batch_size=global_batch_size,
+                        pin=bool(prefetch),
+                        batch_dim=batch_dim,
                     ),
                     global_batch_size,
                 )
