@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, TypeVar, overload
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 import torch
 
@@ -27,6 +27,8 @@ from mirrored.replication.zero_redundancy import ZeroRedundancy, check_zero_stag
 from mirrored.strategies.in_process import InProcessStrategy
 
 if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
     from mirrored.replication.mirror import MirroredModule, MirroredOptimizer
 
 __all__ = ["ReplicatedStrategy", "observe_backward"]
@@ -85,6 +87,30 @@ class ReplicatedStrategy(InProcessStrategy, MirrorFeatures):
     def mirror(
         self,
         module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        second_optimizer: torch.optim.Optimizer,
+        /,
+        *,
+        sync_batch_norm: bool = False,
+    ) -> tuple[MirroredModule, MirroredOptimizer, MirroredOptimizer]: ...
+
+    @overload
+    def mirror(
+        self,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        second_optimizer: torch.optim.Optimizer,
+        /,
+        *more_optimizers: torch.optim.Optimizer,
+        sync_batch_norm: bool = False,
+    ) -> tuple[
+        MirroredModule, MirroredOptimizer, MirroredOptimizer, Unpack[tuple[MirroredOptimizer, ...]]
+    ]: ...
+
+    @overload
+    def mirror(
+        self,
+        module: torch.nn.Module,
         optimizer: torch.optim.Optimizer | None = None,
         *,
         sync_batch_norm: bool = False,
@@ -93,18 +119,21 @@ class ReplicatedStrategy(InProcessStrategy, MirrorFeatures):
     def mirror(
         self,
         module: torch.nn.Module,
-        optimizer: torch.optim.Optimizer | None = None,
-        *,
+        *optimizers: torch.optim.Optimizer | None,
         sync_batch_norm: bool = False,
-    ) -> MirroredModule | tuple[MirroredModule, MirroredOptimizer]:
-        """One replica of ``module`` per device (the original becomes replica 0), and an optimizer
-        whose ``step()`` inside ``strategy.run`` all-reduces the gradients, then updates every
-        replica. See :mod:`mirrored.replication.mirror`."""
+        **keywords: Any,
+    ) -> MirroredModule | tuple[MirroredModule | MirroredOptimizer, ...]:
+        """One replica of ``module`` per device (the original becomes replica 0), and for each
+        optimizer (several: over disjoint parts of the module, a GAN's or an encoder's and a
+        decoder's) one whose ``step()`` inside ``strategy.run`` all-reduces the gradients of its
+        parameters, then updates every replica. Returns the mirrored module, or it and the
+        mirrored optimizers in the order given. ``keywords`` only catches a misplaced optimizer,
+        to say how to pass it. See :mod:`mirrored.replication.mirror`."""
         from mirrored.replication.mirror import mirror_module
+        from mirrored.replication.mirror_checks import optimizers_given
 
-        return mirror_module(
-            self, module, optimizer, sync_batch_norm=sync_batch_norm, features=self
-        )
+        given = optimizers_given(optimizers, keywords)
+        return mirror_module(self, module, given, sync_batch_norm=sync_batch_norm, features=self)
 
     # -- the mirrored optimizer's features --------------------------------------------------------
     def accumulation_window(self) -> AccumulationWindow | None:
