@@ -68,20 +68,7 @@ def _through_the_strategy(strategy, batches, options):
 
 
 @pytest.mark.parametrize(
-    "distribute",
-    [
-        _through_the_input_layer,
-        pytest.param(
-            _through_the_strategy,
-            marks=pytest.mark.xfail(
-                strict=True,
-                raises=ValueError,
-                reason="strategies/in_process.py does not hand its InputOptions to the input "
-                "yet: distribute_global_batches(..., options=options)",
-            ),
-        ),
-    ],
-    ids=["input", "strategy"],
+    "distribute", [_through_the_input_layer, _through_the_strategy], ids=["input", "strategy"]
 )
 def test_a_sequence_first_lstm_on_two_replicas_equals_the_plain_loop(distribute):
     batches = lm_batches()
@@ -107,14 +94,3 @@ def test_a_sequence_first_lstm_on_two_replicas_equals_the_plain_loop(distribute)
 def test_a_batch_dim_that_is_not_a_whole_number_is_refused(batch_dim):
     with pytest.raises(ValueError, match=rf"InputOptions\(batch_dim={batch_dim!r}\)"):
         mirrored.InputOptions(batch_dim=batch_dim)
-
-
-def test_a_strategy_that_does_not_pass_the_batch_dim_on_refuses_it():
-    """Until the strategies hand their options to the input, a batch_dim they would ignore (and
-    split along dim 0, silently wrong) is refused."""
-    options = mirrored.InputOptions(batch_dim=1)
-    with (
-        mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy,
-        pytest.raises(ValueError, match=r"batch_dim=1"),
-    ):
-        strategy.experimental_distribute_dataset(lm_batches(), options)

@@ -30,7 +30,7 @@ from mirrored.input.loader_parts import (
     refuse_distributed_sampler,
     shardable_loader,
 )
-from mirrored.input.options import InputOptions, input_settings, prefetch_depth
+from mirrored.input.options import InputOptions, input_settings
 
 __all__ = [
     "DistributedDataset",
@@ -45,7 +45,6 @@ __all__ = [
     "distribute_replica_batches",
     "global_batch_size_of",
     "input_settings",
-    "prefetch_depth",
     "refuse_distributed_sampler",
     "shard_sizes",
     "shardable_loader",

@@ -77,15 +77,13 @@ def distribute_global_batches(
     num_shards: int | None = None,
     agreement: StepAgreement | None = None,
     sizes_of: Callable[[int], list[int]] | None = None,
-    prefetch: int = 0,
     options: InputOptions | None = None,
 ) -> DistributedDataset:
     """Each global batch of ``dataset`` split into per-replica shards on ``devices`` (this
     worker's ``devices`` hold shards ``first_shard ..`` of ``num_shards``), as ``sizes_of``
-    says when given (asked afresh for every batch); ``prefetch`` batches read ahead, or as
-    ``options`` say, which also give the dimension each batch is split along."""
-    depth, batch_dim = input_settings(options)
-    prefetch = prefetch or depth
+    says when given (asked afresh for every batch); ``options``: how many batches are read
+    ahead, and the dimension each batch is split along."""
+    prefetch, batch_dim = input_settings(options)
 
     def batches() -> Iterator[Any]:
         iterator = iter(dataset)

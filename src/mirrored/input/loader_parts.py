@@ -114,15 +114,13 @@ def distribute_loader_parts(
     first_shard: int,
     num_shards: int,
     agreement: StepAgreement | None = None,
-    prefetch: int = 0,
     options: InputOptions | None = None,
 ) -> DistributedDataset:
     """Like ``distribute_global_batches`` for a DataLoader, but this worker loads only the
     examples of its own shards (a clone of ``loader`` over the same dataset, sampler and
-    settings, whose batches hold this worker's part of each global batch); ``prefetch``
-    batches read ahead, or as ``options`` say, which also give the batch dimension."""
-    depth, batch_dim = input_settings(options)
-    prefetch = prefetch or depth
+    settings, whose batches hold this worker's part of each global batch); ``options``: how
+    many batches are read ahead, and the batch dimension."""
+    prefetch, batch_dim = input_settings(options)
 
     def batches() -> Iterator[Any]:
         sizes: deque[tuple[int, int]] = deque()

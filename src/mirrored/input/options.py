@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["InputOptions", "input_settings", "prefetch_depth"]
+__all__ = ["InputOptions", "input_settings"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,15 +55,3 @@ def input_settings(options: InputOptions | None) -> tuple[int, int]:
     InputOptions)."""
     options = _checked(options)
     return options.experimental_per_replica_buffer_size, options.batch_dim
-
-
-def prefetch_depth(options: InputOptions | None) -> int:
-    """How many batches ``options`` reads ahead, for a caller that splits along dim 0 only: a
-    ``batch_dim`` it would ignore is refused (hand the options to the input instead)."""
-    depth, batch_dim = input_settings(options)
-    if batch_dim != 0:
-        raise ValueError(
-            f"InputOptions(batch_dim={batch_dim}): this strategy splits its input along dim 0 "
-            "only; transpose the batches to batch-first, or pass batch_dim=0"
-        )
-    return depth

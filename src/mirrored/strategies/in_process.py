@@ -46,7 +46,6 @@ from mirrored.input import (
     distribute_global_batches,
     distribute_replica_batches,
     global_batch_size_of,
-    prefetch_depth,
 )
 from mirrored.replication.buffer_sync import SyncsBuffers
 from mirrored.replication.outside_edits import CarriesOutsideEdits
@@ -371,12 +370,12 @@ class InProcessStrategy(Strategy):
     ) -> DistributedDataset:
         """Split each global batch of ``dataset`` (a DataLoader or any iterable of batches) into
         per-replica shards on the replicas' devices; ``options``: ``InputOptions`` (reading
-        ahead)."""
+        ahead, the batch dimension)."""
         return distribute_global_batches(
             dataset,
             self._input_devices,
             sizes_of=self._balanced_sizes(),
-            prefetch=prefetch_depth(options),
+            options=options,
         )
 
     def _balanced_sizes(self) -> Callable[[int], list[int]] | None:

@@ -37,7 +37,6 @@ from mirrored.input import (
     distribute_global_batches,
     distribute_loader_parts,
     distribute_replica_batches,
-    prefetch_depth,
     refuse_distributed_sampler,
     shardable_loader,
 )
@@ -247,10 +246,9 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
 
         A DataLoader over a map-style dataset is cloned so that each worker loads only the
         examples of its own shards; any other iterable is read whole by every worker.
-        ``options``: ``InputOptions`` (reading ahead; the workers' checks that they read alike
-        stay on the training's thread).
+        ``options``: ``InputOptions`` (reading ahead, the batch dimension; the workers' checks
+        that they read alike stay on the training's thread).
         """
-        prefetch = prefetch_depth(options)
         refuse_distributed_sampler(dataset)
         agreement = StepAgreement(self._group, wait_for_global_size=False)
         if shardable_loader(dataset):
@@ -260,7 +258,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
                 self._first_replica_id,
                 self.num_replicas_in_sync,
                 agreement,
-                prefetch,
+                options,
             )
         return distribute_global_batches(
             dataset,
@@ -268,7 +266,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
             self._first_replica_id,
             self.num_replicas_in_sync,
             agreement,
-            prefetch=prefetch,
+            options=options,
         )
 
     def distribute_datasets_from_function(
