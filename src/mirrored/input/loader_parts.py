@@ -9,6 +9,7 @@ divided by it. A DistributedSampler, which gives each worker other batches, is r
 from __future__ import annotations
 
 import array
+import functools
 import zlib
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
@@ -108,6 +109,13 @@ def _with_batch_sampler(loader: DataLoader[Any], sampler: Sampler[list[int]]) ->
     )
 
 
+def _none_of(leaf: Any, batch_dim: int) -> Any:
+    """A batch's leaf with no example (this worker keeps none of the global batch)."""
+    if isinstance(leaf, torch.Tensor) and leaf.dim() > batch_dim:
+        return leaf.narrow(batch_dim, 0, 0)
+    return leaf
+
+
 def distribute_loader_parts(
     loader: DataLoader[Any],
     devices: Sequence[torch.device | None],
@@ -134,14 +142,7 @@ def distribute_loader_parts(
             for part in part_loader:
                 global_batch_size, kept = sizes.popleft()
                 if not kept:
-                    part = map_structure(
-                        lambda t: (
-                            t.narrow(batch_dim, 0, 0)
-                            if isinstance(t, torch.Tensor) and t.dim() > batch_dim
-                            else t
-                        ),
-                        part,
-                    )
+                    part = map_structure(functools.partial(_none_of, batch_dim=batch_dim), part)
                 yield (
                     split_batch(
                         part,
