@@ -46,6 +46,7 @@ __all__ = [
     "is_functorch_wrapped",
     "outside_functorch",
     "parameter_hooks",
+    "run_hooks_last",
     "queue_backward_callback",
     "replace_checkpoint_implementations",
     "replace_gradient_readers",
@@ -272,6 +273,18 @@ def parameter_hooks(tensor: torch.Tensor) -> dict[str, dict[int, Callable[..., A
             ) from None
         hooks[kind] = dict(held) if held else {}
     return hooks
+
+
+def run_hooks_last(tensor: torch.Tensor, last: Callable[[Callable[..., Any]], bool]) -> None:
+    """Make the ``register_hook`` hooks of ``tensor`` for which ``last(hook)`` holds run after
+    its others: autograd runs them in the order of ``Tensor._backward_hooks``' underlying dict,
+    which only a removal and re-insertion (same id, so their handles still remove them)
+    changes."""
+    held = getattr(tensor, "_backward_hooks", None)
+    if not held:
+        return
+    for hook_id in [hook_id for hook_id, hook in held.items() if last(hook)]:
+        held[hook_id] = held.pop(hook_id)
 
 
 _safe_softmax: Callable[..., torch.Tensor] | None = getattr(torch, "_safe_softmax", None)

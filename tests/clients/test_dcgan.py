@@ -9,8 +9,10 @@ of 5/5 and 3/3/2/2). The port's changes are the ones the docs ask for: the step 
 ``sync_batch_norm=True`` in ``strategy.mirror``: in training mode BatchNorm normalises over its
 batch, and without it each replica would normalise over its own shard, which is not the plain
 program. Both programs take their noise with the data (upstream draws it in the loop, where each
-replica would draw its own). dcgan's ``netG(fixed_noise)`` sample between steps is left out
-(a forward outside ``strategy.run``: issue 31, another part).
+replica would draw its own). dcgan's ``netG(fixed_noise)`` sample between steps (upstream's,
+every 100 iterations; here before every step) is a forward outside ``strategy.run`` in training
+mode: it moves the generator's BatchNorm statistics on replica 0, which every replica takes
+before the next run.
 """
 
 from __future__ import annotations
@@ -114,12 +116,18 @@ def _data():
     ]
 
 
+def _fixed_noise() -> torch.Tensor:
+    return torch.randn(4, nz, 1, 1, generator=torch.Generator().manual_seed(1))
+
+
 def train_plain(data):
     """upstream's loop (the noise from the data)."""
     netG, netD, optimizerG, optimizerD = _nets()
+    fixed_noise = _fixed_noise()
     criterion = nn.BCELoss()
     reported = []
     for real_cpu, noise in data:
+        netG(fixed_noise)  # upstream's sample, to save as an image
         # (1) Update D network: maximize log(D(x)) + log(1 - D(G(z)))
         netD.zero_grad()
         batch_size = real_cpu.size(0)
@@ -187,8 +195,9 @@ def train_port(strategy, data, one_module):
         optimizerG.step()
         return [errD.detach(), errG.detach(), D_x, D_G_z1, D_G_z2]
 
-    reported = []
+    reported, fixed_noise = [], _fixed_noise()
     for real_cpu, noise in strategy.experimental_distribute_dataset(data):
+        netG(fixed_noise)  # outside strategy.run, in training mode: every replica's statistics
         values = strategy.reduce("sum", strategy.run(step, args=(real_cpu, noise)), axis=None)
         reported.append([value.item() for value in values])
     return netG, netD, reported

@@ -134,7 +134,7 @@ def test_errors_are_clear(strategy):
         model.flag = True
     with pytest.raises(RuntimeError, match=r"must be called inside strategy\.run"):
         optimizer.step()
-    with pytest.raises(TypeError, match="closure"):
+    with pytest.raises(TypeError, match=r"the closure returned 0\.0; return the loss tensor"):
         strategy.run(lambda: optimizer.step(closure=lambda: 0.0))
 
 
@@ -390,5 +390,5 @@ def test_summing_gradients_early_is_refused_where_step_sums_its_own_way():
         _, optimizer = strategy.mirror(module, torch.optim.SGD(module.parameters(), lr=0.1))
         with pytest.raises(RuntimeError, match=r"inside strategy\.run"):
             optimizer.all_reduce_gradients()
-        with pytest.raises(ValueError, match="gradient_accumulation_steps > 1 or zero_stage=2"):
+        with pytest.raises(ValueError, match=r"last micro-step .*gradient_accumulation_steps > 1"):
             strategy.run(optimizer.all_reduce_gradients)

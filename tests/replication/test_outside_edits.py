@@ -78,14 +78,11 @@ def _replace_data(model, step):
         model[0].bias.data = model[0].bias.detach() * 0.5
 
 
-def _double_the_gradient(parameter):
-    parameter.grad.mul_(2)
-
-
 def _hook_on_a_parameter(model, step):
     if step == 2:
         model[2].weight.register_hook(lambda grad: grad * 0.25)
-        model[4].bias.register_post_accumulate_grad_hook(_double_the_gradient)
+        mask = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0])
+        model[4].bias.register_hook(lambda grad: grad * mask)  # linear: exact, as a sum of parts
 
 
 @pytest.mark.parametrize(
@@ -186,3 +183,15 @@ def test_an_untouched_model_costs_the_other_replicas_no_copy():
         for _ in range(3):
             strategy.run(lambda: model(torch.randn(2, 12)))
         assert [[p._version for p in r.parameters()] for r in model.replicas[1:]] == versions
+
+
+def test_a_post_accumulate_grad_hook_outside_run_is_refused_with_the_fix():
+    """Such a hook runs before the replicas' gradients are summed, and the sum replaces what it
+    did: refused, saying where to change the gradient instead."""
+
+    def edit(model, step):
+        if step == 1:
+            model[4].bias.register_post_accumulate_grad_hook(lambda p: None)
+
+    with pytest.raises(ValueError, match=r"register_post_accumulate_grad_hook.*register_hook"):
+        _mirrored(make_mlp(), edit, make_batches())

@@ -1,12 +1,14 @@
-"""All-reducing gradients across workers while backward still runs.
+"""Summing the replicas' gradients while backward still runs.
 
-Across processes a step's communication costs far more than within one, so the multi-worker
-strategy starts it during backward, as DistributedDataParallel does: gradients are packed into
-buckets in the order backward produces them (last layer first, a small first bucket), and a
-bucket's all-reduce starts as soon as every local replica has packed it. Buckets start in the
-same fixed order on every worker (bucket ``i`` only after bucket ``i-1``), so the workers' c10d
-collectives always pair up. With several local replicas a bucket is summed over them first, in
-replica order, and one all-reduce per bucket crosses processes (hierarchical all-reduce).
+So that after ``loss.backward()`` every replica's ``.grad`` is the global batch's (the contract
+DistributedDataParallel gives, which clipping, logging and updates by hand rely on), and, across
+processes, where a step's communication costs far more than within one, to start it early:
+gradients are packed into buckets in the order backward produces them (last layer first, a small
+first bucket), and a bucket's sum starts as soon as every local replica has packed it. Buckets
+start in the same fixed order on every worker (bucket ``i`` only after bucket ``i-1``), so the
+workers' c10d collectives always pair up. With several local replicas a bucket is summed over
+them first, in replica order, and one all-reduce per bucket crosses processes (hierarchical
+all-reduce).
 
 When a replica's backward ends (autograd's final callback) the sums are waited for and become the
 parameters' gradients: after ``loss.backward()`` every replica holds the gradient of the whole
@@ -53,7 +55,18 @@ if TYPE_CHECKING:
     from mirrored.replication.local_sgd import LocalSteps
     from mirrored.strategies.in_process import InProcessStrategy
 
-__all__ = ["OverlappedGradientReducer"]
+__all__ = [
+    "BYTES_PER_PACK",
+    "FIRST_PACK_BYTES",
+    "OverlappedGradientReducer",
+    "check_dense",
+    "sparse_gradient_error",
+]
+
+# DistributedDataParallel's bucket sizes: a 1 MiB first bucket starts communication early in
+# backward, 25 MiB buckets after it keep the number of collectives low.
+FIRST_PACK_BYTES = 1 << 20
+BYTES_PER_PACK = 25 << 20
 
 # Which reducer watches a parameter: mirroring it again (a new optimizer) hands it over.
 _OWNERS = WeakIdKeyDictionary()  # parameter -> weakref.ref to its reducer
@@ -100,7 +113,6 @@ class OverlappedGradientReducer:
         self._compressor = bucket_compressor(compression, self.plan.layouts(), lengths)
         self._allocate()
         self._cuda = any(p.is_cuda for replica in self._params for p in replica[:1])
-        self._passes = [0] * len(self._params)  # backward passes since the last optimizer.step()
         self._lock = threading.Lock()
         self.reset()
         self._watch()
@@ -150,6 +162,7 @@ class OverlappedGradientReducer:
         nothing in flight."""
         num_local, num_params = len(self._params), len(self._params[0])
         # Per replica.
+        self._passes = [0] * num_local  # backward passes since the last optimizer.step()
         self._in_pass = [False] * num_local
         self._fired = [[False] * num_params for _ in range(num_local)]
         self._fresh = [[False] * num_params for _ in range(num_local)]
@@ -183,6 +196,8 @@ class OverlappedGradientReducer:
             return None  # an accumulation window's micro-step: autograd sums it in param.grad
         if self._local is not None and self._local.local(r):
             return None  # a local SGD update uses this replica's own gradient
+        if grad.is_sparse:
+            raise sparse_gradient_error(grad.shape)
         if not self._in_pass[r]:
             self._in_pass[r] = True
             queue_backward_callback(functools.partial(self.finish_pass, r))
@@ -265,10 +280,21 @@ class OverlappedGradientReducer:
                     torch.cuda.current_stream(total.device).wait_event(events[b])
         for buffers in self._buffers[1:]:
             total.add_(buffers[b].to(total.device, non_blocking=True))
+        if self._communicator.workers is None:
+            return  # one process: the local sum is the whole sum
         label = f"gradients: bucket {b + 1} of {len(self.plan.buckets)}"
         self._pending[b] = self._communicator.all_reduce_across_workers_async(
             total, label, self._compressor, b
         )
+
+    def _counts(self, buffer: torch.Tensor, bucket: Any) -> list[float]:
+        """How many replicas produced each of ``bucket``'s gradients: in one process, from the
+        replicas' flags on the host (no wait for the device); across workers, the counts the
+        bucket carried."""
+        if self._communicator.workers is None:
+            return [sum(fired[j] for fired in self._fired) for j in bucket.indices]
+        counts: list[float] = buffer[bucket.numel :].tolist()
+        return counts
 
     # -- the end of a pass ------------------------------------------------------------------------
     def finish_pass(self, r: int) -> None:
@@ -315,7 +341,7 @@ class OverlappedGradientReducer:
             buffer = self._buffers[r][b]
             if r:
                 buffer.copy_(self._buffers[0][b], non_blocking=True)
-            counts = buffer[bucket.numel :].tolist()
+            counts = self._counts(buffer, bucket)
             for index, count in zip(bucket.indices, counts, strict=True):
                 if not count:
                     continue  # no replica anywhere has a gradient for it: it stays None
@@ -335,6 +361,21 @@ class OverlappedGradientReducer:
     def end_step(self, r: int) -> None:
         """After ``optimizer.step()`` on replica ``r``: the next step starts counting passes."""
         self._passes[r] = 0
+
+
+def sparse_gradient_error(shape: torch.Size) -> TypeError:
+    """The error for a sparse gradient, which no all-reduce of mirrored sums."""
+    return TypeError(
+        f"a parameter of shape {tuple(shape)} has a sparse gradient; mirrored all-reduces dense "
+        "gradients only (use nn.Embedding(sparse=False))"
+    )
+
+
+def check_dense(params: Sequence[nn.Parameter]) -> None:
+    """Refuse a sparse gradient among ``params``' (a ``TypeError``)."""
+    for param in params:
+        if param.grad is not None and param.grad.is_sparse:
+            raise sparse_gradient_error(param.shape)
 
 
 def _accumulator(param: nn.Parameter) -> Any:

@@ -59,6 +59,11 @@ def replicate_optimizer(
     """A copy of ``optimizer`` over other parameters (``mapping``: id of original -> new)."""
     memo: dict[int, Any] = dict(mapping)
     replica = copy.deepcopy(optimizer, memo)
+    # torch's Optimizer pickles only its groups and state; what a subclass keeps besides (LBFGS's
+    # _params, the list its first group holds) is copied over the same memo.
+    for name, value in optimizer.__dict__.items():
+        if name not in replica.__dict__:
+            replica.__dict__[name] = copy.deepcopy(value, memo)
     # An LR scheduler wraps the original's bound step() in an instance attribute; the copy must
     # use its own class method, not the original's.
     replica.__dict__.pop("step", None)
@@ -89,9 +94,12 @@ def mirror_module(
     mirrored = MirroredModule(strategy, replicas, features)
     strategy.track_replicated(mirrored)
     MIRRORED_BY.register(mirrored)
-    if not optimizers:
-        return mirrored
     replica_params = [list(r.parameters()) for r in replicas]
+    if not optimizers:
+        # Updated by hand (p.data.add_(p.grad)): its gradients are still the global batch's
+        # after loss.backward(), summed while backward runs.
+        mirrored.keep_reducer(features.gradient_reducer(replica_params, None, None))
+        return mirrored
     # BatchNorm's running statistics are averaged at the first optimizer's step (as with one);
     # the end of the run averages any that a later forward changed (buffer_sync.py).
     running = [

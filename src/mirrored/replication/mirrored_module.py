@@ -66,6 +66,7 @@ _OWN_ATTRIBUTES = {
     "released",
     "_buffer_sync",
     "_outside_edits",
+    "_reducer",
 }
 # nn.Module methods that would move or retype one replica only.
 _FORBIDDEN = {"to", "cuda", "cpu", "xpu", "half", "float", "double", "bfloat16", "type", "to_empty"}
@@ -106,6 +107,7 @@ class MirroredModule(SyncsBuffers, CarriesOutsideEdits):
         object.__setattr__(self, "released", False)
         object.__setattr__(self, "_buffer_sync", BufferSync(replicas))
         object.__setattr__(self, "_outside_edits", None)  # made when a strategy tracks it
+        object.__setattr__(self, "_reducer", None)  # its gradients' when no optimizer has them
 
     def _current(self) -> nn.Module:
         replica = replica_context_of(self._strategy)
@@ -124,6 +126,11 @@ class MirroredModule(SyncsBuffers, CarriesOutsideEdits):
         """At the end of a run, on every replica: the buffers any replica changed made the
         same on all (:mod:`mirrored.replication.buffer_sync`)."""
         self._buffer_sync.sync(replica)
+
+    def keep_reducer(self, reducer: Any) -> None:
+        """Hold what sums the replicas' gradients in backward for a module mirrored without an
+        optimizer (one is kept alive by the optimizer otherwise)."""
+        object.__setattr__(self, "_reducer", reducer)
 
     def carry_outside_edits(self) -> None:
         if self._outside_edits is None:  # a submodule's mirror: its root carries for it
@@ -237,12 +244,20 @@ class MirroredModule(SyncsBuffers, CarriesOutsideEdits):
         return self
 
     def resync(self) -> None:
-        """Copy replica 0's parameters and buffers into the other replicas."""
+        """Copy replica 0's parameters, buffers and gradients (or their absence) into the other
+        replicas: after a failed run, each replica's gradients are summed onto what it holds."""
         first = tensors_of(self.replicas[0])
+        first_params = list(self.replicas[0].parameters())
         with torch.no_grad():
             for replica in self.replicas[1:]:
                 for mine, source in zip(tensors_of(replica), first, strict=True):
                     mine.copy_(source)
+                for param, source in zip(replica.parameters(), first_params, strict=True):
+                    param.grad = (
+                        None if source.grad is None else source.grad.to(param.device, copy=True)
+                    )
+        if self._reducer is not None:
+            self._reducer.reset()
         self.mark_outside_edits()
 
     def train(self, mode: bool = True) -> MirroredModule:

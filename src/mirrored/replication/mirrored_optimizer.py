@@ -1,20 +1,13 @@
 """The mirrored optimizer: ``step()`` inside a replica is the merge point of a training step.
 
 ``strategy.mirror(model, optimizer)`` returns a ``MirroredOptimizer`` beside the mirrored module.
-Its ``step()``, called inside ``strategy.run`` on every replica, sums the replicas' gradients and
-updates every replica, so that all end the step with the same parameters. Two ways:
-
-- replicas that share one device's memory, with ``HierarchicalCopyAllReduce`` (the default there)
-  and a built-in per-parameter optimizer: each parameter's gradient is summed and updated once, by
-  its owner replica, which copies the result to the others
-  (:mod:`mirrored.replication.sharded_update`);
-- otherwise: the gradients are packed into buckets and all-reduced with the strategy's
-  cross-device op (:mod:`mirrored.comm.cross_device_ops`), and every replica applies the same update
-  with its own optimizer.
-
-The features the strategy hands over (:mod:`mirrored.replication.mirror_features`) change which
-steps update and how: gradient accumulation, local SGD, ZeRO sharding, and gradients reduced during
-backward across processes.
+The replicas' gradients are summed while backward runs (:mod:`mirrored.replication.
+gradient_reducer`; with ``zero_stage=2``, or without a reducer, at ``step()``); ``step()``, inside
+``strategy.run`` on every replica, then updates every replica alike: where the replicas share
+one device's memory with a built-in per-parameter optimizer, each parameter once, by its owner,
+copied to the others (:mod:`mirrored.replication.sharded_update`); otherwise every replica with
+its own optimizer. The strategy's features (:mod:`mirrored.replication.mirror_features`) change
+which steps update and how: gradient accumulation, local SGD, ZeRO sharding.
 """
 
 from __future__ import annotations
@@ -27,13 +20,12 @@ import torch
 from torch import nn
 
 from mirrored._torch_internals import disable_torch_function
-from mirrored.comm.bucketing import PackedTensors
 from mirrored.comm.cross_device_ops import HierarchicalCopyAllReduce
 from mirrored.core.context import ReplicaContext
 from mirrored.core.param_groups import snapshot, take_hyperparameters
 from mirrored.core.rendezvous import SyncMismatchError
 from mirrored.core.values import ReduceOp
-from mirrored.replication.gradient_reducer import OverlappedGradientReducer
+from mirrored.replication.gradient_reducer import OverlappedGradientReducer, check_dense
 from mirrored.replication.mirror_features import NO_FEATURES, MirrorFeatures
 from mirrored.replication.mirrored_module import replica_context_of
 from mirrored.replication.optimizer_routes import holds_any, route_torch_calls, stop_routing
@@ -49,10 +41,6 @@ if TYPE_CHECKING:
     from mirrored.strategies.in_process import InProcessStrategy
 
 __all__ = ["MirroredOptimizer"]
-
-# How an update left the gradients it used: each replica's as it used them, or each parameter's
-# sum on its owner only (the others' are their own shares).
-_AS_USED, _ON_OWNERS = "as used", "on owners"
 
 
 class MirroredOptimizer(ReplicaOptimizers):
@@ -80,13 +68,12 @@ class MirroredOptimizer(ReplicaOptimizers):
         # Per replica: all_reduce_gradients() made this step's gradients the update's already
         # (summed them; for a local SGD update, scaled them to the shard's mean).
         self._reduced_early = [False] * len(optimizers)
-        # Per replica: how the last update left the gradients it used, while no backward has
-        # added to them (to clip or log them after step()): None, _AS_USED or _ON_OWNERS.
-        self._after_update: list[str | None] = [None] * len(optimizers)
+        # Per replica: whether the gradients are still those the last update used (no backward
+        # has added to them since), to clip or log them after step().
+        self._after_update = [False] * len(optimizers)
         self._created = route_torch_calls(strategy, self, optimizers[0])
         self._params = [list(p) for p in params]
         self._running_stats = [list(b) for b in running_stats]
-        self._packed: list[dict[tuple[bool, ...], PackedTensors]] = [{} for _ in optimizers]
         self._plain_tensors = all(type(p.data) is torch.Tensor for p in self._params[0])
         # Replicas sharing one device's memory, with the slice-parallel HierarchicalCopyAllReduce,
         # reduce and update each parameter once, on its owner (sharded_update.py).
@@ -98,11 +85,10 @@ class MirroredOptimizer(ReplicaOptimizers):
         self._local = features.local_steps()
         # With zero_stage, each parameter's owner alone updates it (zero_redundancy.py).
         self._zero = features.zero_redundancy(optimizers, params)
-        # Across processes, gradients are reduced while backward runs (gradient_reducer.py).
+        # Gradients are summed while backward runs (gradient_reducer.py), unless zero_stage=2.
         self._reducer = features.gradient_reducer(params, self._window, self._local)
         if (
-            self._reducer is None
-            and self._zero is None
+            self._zero is None
             and self._local is None  # its replicas keep optimizer states of their own
             and len(optimizers) > 1
             and shared_memory
@@ -142,55 +128,38 @@ class MirroredOptimizer(ReplicaOptimizers):
         if self._window is not None:
             self._window.advance(replica.local_replica_id)
         self.optimizers[replica.local_replica_id].zero_grad(set_to_none=True)
-        self._after_update[replica.local_replica_id] = None
+        self._after_update[replica.local_replica_id] = False
 
     def all_reduce_gradients(self) -> None:
-        """Inside ``strategy.run``, on every replica: sum the replicas' gradients now, in place,
-        so that ``param.grad`` holds the global batch's gradient before ``step()`` (which then
-        does not sum again): to clip, inspect or log it. torch's ``clip_grad_norm_`` and
-        ``clip_grad_value_`` call it themselves on a mirrored optimizer's parameters. Where
-        gradients are summed during backward (multi-worker), nothing to do; before a local SGD
-        update, each replica's gradient is made its shard's mean (what the update uses); after
-        ``step()``, before the next backward, they are what the update used already."""
+        """Inside ``strategy.run``, on every replica: make ``param.grad`` what the update uses,
+        to clip, inspect or log it (torch's ``clip_grad_norm_`` and ``clip_grad_value_`` call
+        it on a mirrored optimizer's parameters). The gradients are summed during backward
+        already: nothing to do, but before a local SGD update, where each replica's gradient is
+        made its shard's mean; with ``zero_stage=2``, or before an accumulation window's last
+        micro-step, they cannot be the global batch's yet (a ``ValueError``)."""
         replica = replica_context_of(self._strategy)
         if replica is None:
             raise RuntimeError("all_reduce_gradients() belongs inside strategy.run(), as step()")
         replica_id = replica.local_replica_id
-        if replica.backward_passes == 0 and self._after_update[replica_id] is not None:
-            self._gradients_of_last_update(replica)
-            return
+        if replica.backward_passes == 0 and self._after_update[replica_id]:
+            return  # after step(), before the next backward: the gradients the update used
         if replica.num_replicas_in_sync == 1 or self._reduced_early[replica_id]:
             return
-        local = self._local is not None and self._local.local(replica_id)
-        if not local and self._reducer is not None:
-            return
-        if self._window is not None or (self._zero is not None and self._zero.stage == 2):
+        if self._window is not None and not self._window.final(replica_id):
+            raise ValueError(
+                "the replicas' gradients are summed at the last micro-step of an "
+                "accumulation window (gradient_accumulation_steps > 1), not before: clip "
+                "or read them there (optimizer.step_updates is True)"
+            )
+        if self._local is not None and self._local.local(replica_id):
+            self._scale_gradients(replica_id, replica.num_replicas_in_sync)  # the shard's mean
+            self._reduced_early[replica_id] = True
+        elif self._reducer is None:
             raise ValueError(
                 "the replicas' gradients cannot be summed before step() (to clip them) with "
-                "gradient_accumulation_steps > 1 or zero_stage=2, where step() sums them its "
-                "own way; clip with an optimizer that clips, or leave those options off"
+                "zero_stage=2, where step() reduce-scatters them to their owners; clip with an "
+                "optimizer that clips, or use zero_stage=1"
             )
-        if local:  # the local update's gradient: its shard's mean
-            self._scale_gradients(replica_id, replica.num_replicas_in_sync)
-            self._reduced_early[replica_id] = True
-            return
-        _check_dense(self._params[replica_id])
-        grads = [p.grad for p in self._params[replica_id]]
-        self._all_reduce_gradients(replica, self._open_step(replica, grads), in_place=True)
-        self._reduced_early[replica_id] = True
-
-    def _gradients_of_last_update(self, replica: ReplicaContext) -> None:
-        """Where the last update summed each parameter's gradient on its owner only, copy the
-        owners' sums to this replica's gradients (a collective), so that every replica holds
-        the global batch's gradient again."""
-        replica_id = replica.local_replica_id
-        if self._after_update[replica_id] == _ON_OWNERS:
-            assert self._sharded is not None
-            grads = [p.grad for p in self._params[replica_id]]
-            everyone = replica.exchange.all("all_reduce_gradients: the owners' sums", grads)
-            self._sharded.copy_owned_gradients(replica_id, everyone)
-            replica.exchange.barrier("all_reduce_gradients: the owners' sums copied")
-            self._after_update[replica_id] = _AS_USED
 
     def holds_any(self, replica_id: int, tensor_ids: set[int]) -> bool:
         """Whether any of ``tensor_ids`` is a parameter of replica ``replica_id`` or the
@@ -204,12 +173,11 @@ class MirroredOptimizer(ReplicaOptimizers):
         Call it inside ``strategy.run``, on every replica, once per step. With the strategy's
         ``gradient_accumulation_steps=k``, only every k-th call reduces and updates (with the
         mean of the k steps' gradients); the others keep the gradients for it.
+
+        ``closure`` (LBFGS's): each replica's closure computes its shard's part of the loss and
+        its backward; the optimizer sees the global batch's loss (the replicas' parts summed)
+        and gradient, the same on every replica, so the replicas take the same steps.
         """
-        if closure is not None:
-            raise TypeError(
-                "optimizer.step(closure) is not supported on a mirrored optimizer: the closure "
-                "would re-run forward/backward outside the synchronised step"
-            )
         replica = replica_context_of(self._strategy)
         if replica is None:
             raise RuntimeError(
@@ -221,8 +189,47 @@ class MirroredOptimizer(ReplicaOptimizers):
                 "this mirrored optimizer's module was released (mirrored again since); step the "
                 "optimizer mirrored with the new mirrored module"
             )
+        if closure is not None:
+            return self._closure_step(replica, closure)
         with self._without_torch_function():
             return self._step(replica)
+
+    def _closure_step(self, replica: ReplicaContext, closure: Any) -> Any:
+        """``step(closure)``: every call of the closure re-evaluates each replica's shard; its
+        gradients are summed in its backward (the reducer), its loss here."""
+        replica_id = replica.local_replica_id
+        if replica.num_replicas_in_sync == 1:
+            return self.optimizers[replica_id].step(closure)
+        if self._reducer is None or any(
+            feature is not None for feature in (self._window, self._local, self._zero)
+        ):
+            raise ValueError(
+                "optimizer.step(closure) needs the gradients summed in each backward the closure "
+                "runs: turn gradient_accumulation_steps, local_sgd and zero_stage off for LBFGS"
+            )
+        self._open_step(replica)
+
+        def global_closure() -> Any:
+            with torch.enable_grad():
+                loss = closure()
+            if not isinstance(loss, torch.Tensor):
+                raise TypeError(
+                    f"optimizer.step(closure): the closure returned {loss!r}; return the loss "
+                    "tensor (this replica's part of the global batch's loss)"
+                )
+            (total,) = self._strategy.all_reduce_tensors(replica, ReduceOp.SUM, [loss.detach()])
+            return total
+
+        if self._sharded is None:
+            result = self.optimizers[replica_id].step(global_closure)
+        else:  # a per-parameter optimizer calls its closure once, then updates: its owners
+            result = global_closure()
+            self._sharded.step(replica_id)
+            replica.exchange.barrier("optimizer.step: parameters copied")
+        self._reducer.end_step(replica_id)
+        if self._running_stats[replica_id]:
+            self._average_running_stats(replica)
+        return result
 
     def _without_torch_function(self) -> AbstractContextManager[Any]:
         """Torch-function modes (the per-replica RNG's) cost a Python call per op and replicas
@@ -298,7 +305,7 @@ class MirroredOptimizer(ReplicaOptimizers):
             self._reduced_early[replica_id] = False
         else:
             self._scale_gradients(replica_id, replica.num_replicas_in_sync * window_scale)
-        self._after_update[replica_id] = _AS_USED
+        self._after_update[replica_id] = True
         if len(self.optimizers) > 1:
             self._open_step(replica)
         result = self.optimizers[replica_id].step()
@@ -313,84 +320,47 @@ class MirroredOptimizer(ReplicaOptimizers):
     def _synchronous_update(self, replica: ReplicaContext) -> Any:
         if self._reducer is not None:
             return self._step_reduced(replica, self._reducer)
+        # One replica, or zero_stage=2: each replica's gradients go to their owners here.
         replica_id = replica.local_replica_id
-        optimizer = self.optimizers[replica_id]
         if self._window is not None:  # the window's mean, before any replica sums it
             self._scale_gradients(replica_id, self._window.scale)
-        summed: str | None = _AS_USED
-        if self._reduced_early[replica_id]:  # all_reduce_gradients() opened the step
-            self._reduced_early[replica_id] = False
-        elif replica.num_replicas_in_sync > 1:
+        self._after_update[replica_id] = True
+        if replica.num_replicas_in_sync > 1:
             # The gradients travel with replica 0's hyperparameters: one sync point opens the
             # step.
-            _check_dense(self._params[replica_id])
+            check_dense(self._params[replica_id])
             everyone = self._open_step(replica, [p.grad for p in self._params[replica_id]])
-            if self._zero is not None and self._zero.stage == 2:
-                self._zero.reduce_gradients(replica, everyone)
-                summed = None  # each replica holds its share
-            elif self._sharded is not None:
-                self._sharded.reduce_gradients(replica_id, everyone)
-                summed = _ON_OWNERS
-            else:
-                self._all_reduce_gradients(replica, everyone)
-        self._after_update[replica_id] = summed
-        if replica.num_replicas_in_sync > 1 and self._running_stats[replica_id]:
-            self._average_running_stats(replica)
+            assert self._zero is not None and self._zero.stage == 2, "summed in backward"
+            self._zero.reduce_gradients(replica, everyone)
+            self._after_update[replica_id] = False  # each replica holds its share
+            if self._running_stats[replica_id]:
+                self._average_running_stats(replica)
         if self._zero is not None:
             return self._zero.step(replica)
-        if self._sharded is None:
-            return optimizer.step()
-        result = self._sharded.step(replica_id)
-        replica.exchange.barrier("optimizer.step: parameters copied")
-        return result
+        return self.optimizers[replica_id].step()
 
     def _step_reduced(self, replica: ReplicaContext, reducer: OverlappedGradientReducer) -> Any:
-        """The step when backward already reduced the gradients (multi-worker)."""
+        """The step when backward already reduced the gradients: every replica applies the
+        update, or, where the replicas share one device's memory, each parameter's owner
+        applies it and copies the result (``sharded_update.py``)."""
         replica_id = replica.local_replica_id
         optimizer = self.optimizers[replica_id]
-        _check_dense(self._params[replica_id])
+        check_dense(self._params[replica_id])
         reducer.finish_pass(replica_id)  # a step with no backward: reduce what is there
+        self._after_update[replica_id] = True
         if len(self.optimizers) > 1:
             self._open_step(replica)
         if self._running_stats[replica_id]:
             self._average_running_stats(replica)
-        result = optimizer.step() if self._zero is None else self._zero.step(replica)
+        if self._zero is not None:
+            result = self._zero.step(replica)
+        elif self._sharded is not None:
+            result = self._sharded.step(replica_id)
+            replica.exchange.barrier("optimizer.step: parameters copied")
+        else:
+            result = optimizer.step()
         reducer.end_step(replica_id)
         return result
-
-    def _all_reduce_gradients(
-        self,
-        replica: ReplicaContext,
-        everyone: Sequence[Sequence[torch.Tensor | None]],
-        in_place: bool = False,
-    ) -> None:
-        """Bucketed all-reduce of the gradients any replica has (``everyone``: each replica's
-        gradients as posted at the step's first sync point); ``in_place``: written into the
-        gradient tensors a replica has (which others may hold: a clipping function's list)."""
-        replica_id = replica.local_replica_id
-        params = self._params[replica_id]
-        grads = everyone[replica_id]
-        reduced = tuple(
-            any(g is not None for g in column) for column in zip(*everyone, strict=True)
-        )
-        indices = [i for i, flag in enumerate(reduced) if flag]
-        if not indices:
-            return
-        packed = self._packed[replica_id].get(reduced)
-        if packed is None:
-            tensors = [params[i] for i in indices]
-            plan = self._strategy.cross_device_ops.plan(tensors)
-            packed = PackedTensors(plan, [t.shape for t in tensors], replica.device)
-            self._packed[replica_id][reduced] = packed
-        packed.pack([grads[i] for i in indices])
-        for buffer in packed.buffers:
-            self._strategy.cross_device_ops.all_reduce(replica.exchange, buffer)
-        for i, view in zip(indices, packed.unpacked(), strict=True):
-            grad = params[i].grad
-            if in_place and grad is not None:
-                grad.copy_(view)
-            else:
-                params[i].grad = view
 
     def _average_running_stats(self, replica: ReplicaContext) -> None:
         """BatchNorm running statistics stay identical: their mean over replicas (TensorFlow)."""
@@ -409,14 +379,16 @@ class MirroredOptimizer(ReplicaOptimizers):
             if self._window is None or not self._window.holding(replica_id):
                 self.optimizers[replica_id].zero_grad(set_to_none=set_to_none)
                 self._reduced_early[replica_id] = False
-                self._after_update[replica_id] = None
+                self._after_update[replica_id] = False
 
     def resync(self) -> None:
         """Give every replica's optimizer replica 0's state (after a step that failed midway;
         with ``zero_stage``, every replica each owner's values of what it owns instead); an
         unfinished accumulation window is dropped with its gradients."""
         self._reduced_early = [False] * len(self.optimizers)
-        self._after_update = [None] * len(self.optimizers)
+        self._after_update = [False] * len(self.optimizers)
+        if self._reducer is not None:
+            self._reducer.reset()
         if self._window is not None:
             self._window.reset()
             for optimizer in self.optimizers:
@@ -465,12 +437,3 @@ class MirroredOptimizer(ReplicaOptimizers):
             if self._sharded is not None:
                 self._sharded.share_state()
         self._run_hooks("load_state_dict_post")
-
-
-def _check_dense(params: Sequence[nn.Parameter]) -> None:
-    for p in params:
-        if p.grad is not None and p.grad.is_sparse:
-            raise TypeError(
-                f"a parameter of shape {tuple(p.shape)} has a sparse gradient; mirrored "
-                "all-reduces dense gradients only (use nn.Embedding(sparse=False))"
-            )

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from mirrored._torch_internals import parameter_hooks
+from mirrored._torch_internals import parameter_hooks, run_hooks_last
 
 __all__ = [
     "CarriesOutsideEdits",
@@ -102,7 +102,12 @@ class OutsideEdits:
             self._tensors = [first] + [[t for _, t in named_tensors(r)] for r in self._replicas[1:]]
             self._siblings = _buffer_siblings(named, self._replicas[0])
         self._marks = [_mark(t) for t in first]
-        self._hook_ids = [self._hook_keys(i, t) for i, t in enumerate(first)]
+        hook_ids = [self._hook_keys(i, t) for i, t in enumerate(first)]
+        for index, (before, now) in enumerate(zip(self._hook_ids, hook_ids, strict=False)):
+            if before != now:  # the gradient reducer's hook sees what the program's hooks made
+                for tensors in self._tensors:
+                    run_hooks_last(tensors[index], _INTERNAL_HOOKS.__contains__)
+        self._hook_ids = hook_ids
 
     def carry(self) -> None:
         """Before a run: replica 0's changes since ``mark`` onto every other replica."""
@@ -147,12 +152,24 @@ class OutsideEdits:
             if hook not in _INTERNAL_HOOKS
         )
 
+    def _reduced_in_backward(self, index: int) -> bool:
+        """Whether mirrored's gradient reducer watches the parameter at ``index``."""
+        hooks = parameter_hooks(self._tensors[0][index])["backward"].values()
+        return any(hook in _INTERNAL_HOOKS for hook in hooks)
+
     def _carry_hooks(self, index: int, tensor: torch.Tensor, keys: frozenset[_HookKey]) -> None:
         """Hooks registered on replica 0's parameter since ``mark`` onto the others'; the
         others' copies of hooks since removed from replica 0, removed."""
         hooks = parameter_hooks(tensor)
         for key in keys - self._hook_ids[index]:
             _, kind, hook_id = key
+            if kind == "post_accumulate_grad" and self._reduced_in_backward(index):
+                raise ValueError(
+                    "a hook registered with register_post_accumulate_grad_hook on a mirrored "
+                    "parameter runs before the replicas' gradients are summed (at the end of "
+                    "backward), and the sum replaces what it did; change the gradient inside "
+                    "the replica function after loss.backward(), or with register_hook"
+                )
             register = _REGISTER[kind]
             hook = hooks[kind][hook_id]
             self._hooks[key] = [register(t[index], hook) for t in self._tensors[1:]]

@@ -3,11 +3,11 @@
 Replicas on logical devices of one physical device (the CPU, or one GPU) would otherwise all run the
 full optimizer update at once on the same cores and memory, each update several times slower than
 one alone (benchmarks/RESULTS.md, "sharded_update.py"). Instead each parameter gets one owner
-replica (balanced by size); only the owner sums its gradient over the replicas, updates it, and
-copies the result to the others. The optimizer state of a parameter is one set of tensors shared by
-every replica's optimizer, so the user's optimizer (replica 0's) keeps the complete state and its
-``state_dict()`` stays the plain single-model one; that also makes optimizer memory 1/N of mirrored
-state.
+replica (balanced by size); only the owner updates it (with the gradient summed during
+backward) and copies the result to the others. The optimizer state of a parameter is one set of
+tensors shared by every replica's optimizer, so the user's optimizer (replica 0's) keeps the
+complete state and its ``state_dict()`` stays the plain single-model one; that also makes
+optimizer memory 1/N of mirrored state.
 
 Exact for optimizers whose update of a parameter reads only that parameter, its gradient and its
 own state: torch's built-in optimizers listed below. Any other optimizer runs the full update on
@@ -172,31 +172,6 @@ class ShardedUpdate:
                 continue
             for optimizer, replica_params in zip(self.optimizers[1:], self.params[1:], strict=True):
                 optimizer.state[replica_params[index]] = primary.state[first]
-
-    def reduce_gradients(
-        self, replica_id: int, everyone: Sequence[Sequence[torch.Tensor | None]]
-    ) -> None:
-        """Each owner sums the gradients of its parameters over all replicas, in replica order,
-        reading its peers' gradients in place (``everyone``: each replica's gradients, as posted
-        at the step's first sync point; no packing, nothing written to peers). Afterwards a
-        replica's other gradients are its own share only, consumed by this step."""
-        sum_owned_gradients(self.params[replica_id], self._owned_ids[replica_id], everyone)
-
-    def copy_owned_gradients(
-        self, replica_id: int, everyone: Sequence[Sequence[torch.Tensor | None]]
-    ) -> None:
-        """After a step, into replica ``replica_id``'s gradients of the parameters others own,
-        in place: their owners' sums (``everyone``: each replica's gradients), so that it holds
-        the global batch's whole gradient again."""
-        mine = self.params[replica_id]
-        for index, (param, owner) in enumerate(zip(mine, self.owners, strict=True)):
-            source = everyone[owner][index]
-            if owner == replica_id or source is None:
-                continue
-            if param.grad is None:
-                param.grad = source.to(param.device, copy=True)
-            else:
-                param.grad.copy_(source)
 
     def step(self, replica_id: int) -> Any:
         """Update the parameters ``replica_id`` owns, publish new state, copy them to peers.

@@ -20,7 +20,13 @@ from mirrored.input import PerReplicaShards
 from mirrored.input.load_balancing import LoadBalancing, ReplicaSpeeds
 from mirrored.random.routing import ReplicaRandomness, replica_streams
 from mirrored.random.step_seeds import StepSeed
-from mirrored.replication.local_sgd import LocalSGD
+from mirrored.replication.accumulation import AccumulationWindow
+from mirrored.replication.gradient_reducer import (
+    BYTES_PER_PACK,
+    FIRST_PACK_BYTES,
+    OverlappedGradientReducer,
+)
+from mirrored.replication.local_sgd import LocalSGD, LocalSteps
 from mirrored.strategies.replicated import ReplicatedStrategy, observe_backward
 
 __all__ = ["MirroredStrategy"]
@@ -131,6 +137,22 @@ class MirroredStrategy(ReplicatedStrategy):
                 "check_replicas=True with local_sgd: local SGD keeps the replicas apart between "
                 "averages by design; check a run without local_sgd"
             )
+
+    def gradient_reducer(
+        self,
+        params: Sequence[Sequence[torch.nn.Parameter]],
+        window: AccumulationWindow | None,
+        local: LocalSteps | None,
+    ) -> OverlappedGradientReducer | None:
+        """Gradients summed over the replicas while backward runs, so that after
+        ``loss.backward()`` every replica's ``.grad`` is the global batch's (as with DDP) and
+        ``optimizer.step()`` only applies; none with one replica, or with ``zero_stage=2``
+        (each replica's gradient is reduce-scattered to its owner at the step)."""
+        if len(self.devices) == 1 or self.zero_stage == 2:
+            return None
+        return OverlappedGradientReducer(
+            self, params, self.communicator, window, local, None, BYTES_PER_PACK, FIRST_PACK_BYTES
+        )
 
     def _balanced_sizes(self) -> Callable[[int], list[int]] | None:
         return None if self.replica_speeds is None else self.replica_speeds.sizes

@@ -41,7 +41,11 @@ from mirrored.input import (
     shardable_loader,
 )
 from mirrored.replication.accumulation import AccumulationWindow
-from mirrored.replication.gradient_reducer import OverlappedGradientReducer
+from mirrored.replication.gradient_reducer import (
+    BYTES_PER_PACK,
+    FIRST_PACK_BYTES,
+    OverlappedGradientReducer,
+)
 from mirrored.replication.local_sgd import LocalSGD, LocalSteps
 from mirrored.replication.mirrored_module import MirroredModule, tensors_of
 from mirrored.replication.mirrored_optimizer import MirroredOptimizer
@@ -50,10 +54,6 @@ from mirrored.strategies.step_agreement import StepAgreement
 
 __all__ = ["CommunicationImplementation", "CommunicationOptions", "MultiWorkerMirroredStrategy"]
 
-# DistributedDataParallel's bucket sizes: a 1 MiB first bucket starts communication early in
-# backward, 25 MiB buckets after it keep the number of collectives low.
-_FIRST_PACK_BYTES = 1 << 20
-_BYTES_PER_PACK = 25 << 20
 _DEFAULT_TIMEOUT_SECONDS = 1800.0
 
 
@@ -349,8 +349,8 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
             window,
             local,
             self.communication_options.compression,
-            bytes_per_pack or _BYTES_PER_PACK,
-            0 if bytes_per_pack else _FIRST_PACK_BYTES,
+            bytes_per_pack or BYTES_PER_PACK,
+            0 if bytes_per_pack else FIRST_PACK_BYTES,
         )
         self._reducers.add(reducer)
         return reducer
