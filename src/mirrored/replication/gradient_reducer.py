@@ -247,8 +247,8 @@ class OverlappedGradientReducer:
     def _param_packed(self, r: int, i: int) -> None:
         b = self.plan.bucket_of[i]
         self._left[r][b] -= 1
-        if self._left[r][b]:
-            return
+        if self._left[r][b] or self._communicator.workers is None:
+            return  # (in one process, the buckets are summed when the pass ends)
         self._write_counts(r, b)
         if self._cuda:
             event = torch.cuda.Event()
@@ -280,8 +280,6 @@ class OverlappedGradientReducer:
                     torch.cuda.current_stream(total.device).wait_event(events[b])
         for buffers in self._buffers[1:]:
             total.add_(buffers[b].to(total.device, non_blocking=True))
-        if self._communicator.workers is None:
-            return  # one process: the local sum is the whole sum
         label = f"gradients: bucket {b + 1} of {len(self.plan.buckets)}"
         self._pending[b] = self._communicator.all_reduce_across_workers_async(
             total, label, self._compressor, b
@@ -327,7 +325,36 @@ class OverlappedGradientReducer:
                 self._views[r][i].zero_()
                 self._param_packed(r, i)
         exchange = replica.exchange
-        # Every local replica has packed every bucket, so every all-reduce has started.
+        one_process = self._communicator.workers is None
+        if one_process:
+            # The strategy's cross-device op sums each bucket over the replicas, in place in
+            # every replica's copy (HierarchicalCopyAllReduce: each replica a slice, at once).
+            for buffer in self._buffers[r]:
+                self._communicator.cross_device_ops.all_reduce(exchange, buffer)
+        else:
+            self._wait_across_workers(r, exchange)
+        for b, bucket in enumerate(self.plan.buckets):
+            counts = self._counts(self._buffers[r][b], bucket)
+            for index, count in zip(bucket.indices, counts, strict=True):
+                if not count:
+                    continue  # no replica anywhere has a gradient for it: it stays None
+                param, view = self._params[r][index], self._views[r][index]
+                if self._fresh[r][index] or param.grad is None:
+                    param.grad = view
+                else:
+                    param.grad.add_(view)
+        if not one_process:
+            # The leader's buffers must not be refilled before every replica has read them.
+            exchange.barrier("gradients unpacked", cross_device=True)
+        self._in_pass[r] = False
+        self._fired[r] = [False] * len(self._fired[r])
+        self._fresh[r] = [False] * len(self._fresh[r])
+        self._left[r] = [len(m.indices) for m in self.plan.buckets]
+        self._passes[r] += 1
+
+    def _wait_across_workers(self, r: int, exchange: Any) -> None:
+        """Every local replica has packed every bucket, so every all-reduce across the workers
+        has started: the leader waits for them, and each replica copies the leader's sums."""
         exchange.barrier("gradients packed", cross_device=True)
         if r == 0:
             pending, self._pending = self._pending, [None] * len(self.plan.buckets)
@@ -337,26 +364,9 @@ class OverlappedGradientReducer:
                 if collective is not None:
                     collective.wait()
         exchange.barrier("gradients reduced", cross_device=True)
-        for b, bucket in enumerate(self.plan.buckets):
-            buffer = self._buffers[r][b]
-            if r:
-                buffer.copy_(self._buffers[0][b], non_blocking=True)
-            counts = self._counts(buffer, bucket)
-            for index, count in zip(bucket.indices, counts, strict=True):
-                if not count:
-                    continue  # no replica anywhere has a gradient for it: it stays None
-                param, view = self._params[r][index], self._views[r][index]
-                if self._fresh[r][index] or param.grad is None:
-                    param.grad = view
-                else:
-                    param.grad.add_(view)
-        # The leader's buffers must not be refilled before every replica has read them.
-        exchange.barrier("gradients unpacked", cross_device=True)
-        self._in_pass[r] = False
-        self._fired[r] = [False] * len(self._fired[r])
-        self._fresh[r] = [False] * len(self._fresh[r])
-        self._left[r] = [len(m.indices) for m in self.plan.buckets]
-        self._passes[r] += 1
+        if r:
+            for buffer, leader in zip(self._buffers[r], self._buffers[0], strict=True):
+                buffer.copy_(leader, non_blocking=True)
 
     def end_step(self, r: int) -> None:
         """After ``optimizer.step()`` on replica ``r``: the next step starts counting passes."""
