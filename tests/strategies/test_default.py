@@ -58,3 +58,11 @@ def test_run_refuses_what_the_base_run_refuses() -> None:
         strategy.run(lambda: strategy.run(lambda: None))
     with pytest.raises(TypeError, match="args must be a tuple or list"):
         strategy.run(lambda x: x, args=torch.zeros(2))  # type: ignore[arg-type]
+
+
+def test_several_optimizers_come_back_unchanged_in_order():
+    module = torch.nn.Linear(2, 2)
+    first = torch.optim.SGD([module.weight], lr=0.1)
+    second = torch.optim.SGD([module.bias], lr=0.1)
+    assert mirrored.get_strategy().mirror(module, first, second) == (module, first, second)
+    assert mirrored.get_strategy().mirror(module) is module

@@ -392,3 +392,35 @@ def test_fit_on_a_single_worker_equals_one_device() -> None:
     for name, value in expected_weights.items():
         assert_close_float64(weights[name], value)
     assert losses == pytest.approx(expected_losses, rel=1e-5)
+
+
+def test_a_module_with_two_optimizers_trains_as_on_one_device(strategy):
+    """An encoder and a decoder at their own learning rates, mirrored together."""
+    batches = make_batches()
+    expected = make_mlp()
+    plain = [
+        torch.optim.SGD(expected[:2].parameters(), lr=0.1),
+        torch.optim.Adam(expected[2:].parameters(), lr=1e-2),
+    ]
+    for x, y in batches:
+        torch.nn.functional.cross_entropy(expected(x), y).backward()
+        for optimizer in plain:
+            optimizer.step()
+            optimizer.zero_grad()
+    module = make_mlp()
+    model, first, second = strategy.mirror(
+        module,
+        torch.optim.SGD(module[:2].parameters(), lr=0.1),
+        torch.optim.Adam(module[2:].parameters(), lr=1e-2),
+    )
+
+    def step(x, y):
+        loss = torch.nn.functional.cross_entropy(model(x), y, reduction="none")
+        mirrored.compute_average_loss(loss).backward()
+        for optimizer in (first, second):
+            optimizer.step()
+            optimizer.zero_grad()
+
+    for batch in strategy.experimental_distribute_dataset(batches):
+        strategy.run(step, args=batch)
+    assert_same_parameters(expected, model)

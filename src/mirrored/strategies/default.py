@@ -78,12 +78,13 @@ class _DefaultStrategy(InProcessStrategy):
     def mirror(
         self,
         module: torch.nn.Module,
-        optimizer: torch.optim.Optimizer | None = None,
-        *,
+        *optimizers: torch.optim.Optimizer | None,
         sync_batch_norm: bool = False,
     ) -> Any:
-        """Nothing to mirror with one replica: the module and optimizer are returned unchanged."""
-        return module if optimizer is None else (module, optimizer)
+        """Nothing to mirror with one replica: the module and optimizers are returned unchanged
+        (the module alone without one)."""
+        given = [optimizer for optimizer in optimizers if optimizer is not None]
+        return (module, *given) if given else module
 
     @property
     def closed(self) -> bool:

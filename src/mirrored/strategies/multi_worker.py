@@ -287,16 +287,17 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
     def mirror(  # type: ignore[override]
         self,
         module: nn.Module,
-        optimizer: torch.optim.Optimizer | None = None,
-        *,
+        *optimizers: torch.optim.Optimizer | None,
         sync_batch_norm: bool = False,
-    ) -> MirroredModule | tuple[MirroredModule, MirroredOptimizer]:
-        """As MirroredStrategy's, after checking that every worker built the same model and
-        giving every worker the chief's parameters and buffers."""
+        **keywords: Any,
+    ) -> MirroredModule | tuple[MirroredModule | MirroredOptimizer, ...]:
+        """As MirroredStrategy's (several optimizers included), after checking that every
+        worker built the same model and giving every worker the chief's parameters and
+        buffers."""
         if isinstance(module, nn.Module) and not isinstance(module, MirroredModule):
             self._check_same_model(module)
             self._broadcast_from_chief(module)
-        return super().mirror(module, optimizer, sync_batch_norm=sync_batch_norm)
+        return super().mirror(module, *optimizers, sync_batch_norm=sync_batch_norm, **keywords)
 
     def _check_same_model(self, module: nn.Module) -> None:
         names = [n for n, _ in module.named_parameters(remove_duplicate=False)] + [

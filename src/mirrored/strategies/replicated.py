@@ -125,8 +125,8 @@ class ReplicatedStrategy(InProcessStrategy, MirrorFeatures):
     ) -> MirroredModule | tuple[MirroredModule | MirroredOptimizer, ...]:
         """One replica of ``module`` per device (the original becomes replica 0), and for each
         optimizer (several: over disjoint parts of the module, a GAN's or an encoder's and a
-        decoder's) one whose ``step()`` inside ``strategy.run`` all-reduces the gradients of its
-        parameters, then updates every replica. Returns the mirrored module, or it and the
+        decoder's) one whose ``step()`` inside ``strategy.run`` updates every replica alike
+        (their gradients are summed during backward). Returns the mirrored module, or it and the
         mirrored optimizers in the order given. ``keywords`` only catches a misplaced optimizer,
         to say how to pass it. See :mod:`mirrored.replication.mirror`."""
         from mirrored.replication.mirror import mirror_module
