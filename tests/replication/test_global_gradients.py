@@ -4,6 +4,8 @@ clipping, logging and updates by hand are exact, with or without a mirrored opti
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -156,3 +158,38 @@ def test_a_closure_with_gradient_accumulation_is_refused_with_the_fix():
         _, optimizer = strategy.mirror(module, torch.optim.LBFGS(module.parameters()))
         with pytest.raises(ValueError, match="turn gradient_accumulation_steps, local_sgd"):
             strategy.run(lambda: optimizer.step(lambda: torch.zeros(())))
+
+
+def test_a_gradient_only_one_replica_produced_reaches_every_replica(monkeypatch):
+    """Whether any replica produced a gradient is read from every replica's flags: a replica
+    slow to read them must still see a fast one's, which may not start over before."""
+    from mirrored.replication.gradient_reducer import OverlappedGradientReducer
+
+    counts = OverlappedGradientReducer._counts
+
+    def slow_on_replica_1(self, buffer, bucket):
+        if mirrored.get_replica_context().replica_id_in_sync_group == 1:
+            time.sleep(0.05)
+        return counts(self, buffer, bucket)
+
+    monkeypatch.setattr(OverlappedGradientReducer, "_counts", slow_on_replica_1)
+    with mirrored.MirroredStrategy(DEVICES[:2]) as strategy:
+        module = make_mlp()
+        model, optimizer = strategy.mirror(module, torch.optim.SGD(module.parameters(), lr=0.1))
+
+        def step(x, y):
+            hidden = model[0](x)
+            if mirrored.get_replica_context().replica_id_in_sync_group == 1:
+                hidden = hidden.detach()  # no gradient reaches replica 1's first layer
+            out = model[4](model[3](model[2](model[1](hidden))))
+            mirrored.compute_average_loss(F.cross_entropy(out, y, reduction="none")).backward()
+            grads = [p.grad for p in model.parameters()]
+            optimizer.step()
+            optimizer.zero_grad()
+            return [g is None for g in grads]
+
+        (shards,) = strategy.experimental_distribute_dataset([make_batches()[0]])
+        missing = strategy.run(step, args=shards)
+    per_replica = missing.values if isinstance(missing, mirrored.PerReplica) else [missing]
+    assert not any(any(flags) for flags in per_replica)
+    assert_replicas_identical(model)

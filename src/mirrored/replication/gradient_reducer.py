@@ -343,9 +343,9 @@ class OverlappedGradientReducer:
                     param.grad = view
                 else:
                     param.grad.add_(view)
-        if not one_process:
-            # The leader's buffers must not be refilled before every replica has read them.
-            exchange.barrier("gradients unpacked", cross_device=True)
+        # No replica starts over (clears its flags, refills the leader's buffers) before every
+        # replica has read them.
+        exchange.barrier("gradients unpacked", cross_device=True)
         self._in_pass[r] = False
         self._fired[r] = [False] * len(self._fired[r])
         self._fresh[r] = [False] * len(self._fresh[r])
