@@ -294,6 +294,21 @@ def test_a_tensor_of_another_dtype_is_refused_before_anything_is_loaded(tmp_path
     assert_close(other.state_dict(), before, rtol=0, atol=0)
 
 
+def test_a_schedule_of_another_kind_is_refused_before_anything_is_loaded(tmp_path):
+    module = _module()
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2)
+    path = mirrored.Checkpoint(model=module, schedule=schedule).save(tmp_path / "f")
+    other = _module()
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(
+        torch.optim.SGD(other.parameters(), lr=0.1), T_max=4
+    )
+    with pytest.raises(ValueError, match=r"'schedule'.*CosineAnnealingLR keeps \['T_max'"):
+        mirrored.Checkpoint(model=other, schedule=cosine).restore(path)
+    assert_close(other.state_dict(), before, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("name", ["save", "restore", "write", "save_counter", "_objects"])
 def test_a_name_that_the_checkpoint_uses_itself_is_refused(name):
     with pytest.raises(ValueError, match=rf"Checkpoint\({name}=\.\.\.\).*pick another name"):

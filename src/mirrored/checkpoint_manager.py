@@ -24,7 +24,11 @@ import torch
 
 from mirrored import checkpoint
 from mirrored.core.context import get_strategy, has_strategy
-from mirrored.core.state_checks import check_module_state, check_optimizer_state
+from mirrored.core.state_checks import (
+    check_module_state,
+    check_optimizer_state,
+    check_scheduler_state,
+)
 from mirrored.core.strategy import Strategy
 from mirrored.replication.mirrored_module import MirroredModule
 from mirrored.replication.mirrored_optimizer import MirroredOptimizer
@@ -236,13 +240,7 @@ def _check_state(value: Any, state: Any, where: str) -> None:
                 f"tensor of dtype {value.dtype}"
             )
     elif isinstance(value, torch.optim.lr_scheduler.LRScheduler):
-        expected = value.state_dict()
-        if not isinstance(state, Mapping) or not set(expected) <= set(state):
-            keys = sorted(state) if isinstance(state, Mapping) else type(state).__name__
-            raise ValueError(
-                f"{where}: a learning-rate schedule's state with {keys}; this "
-                f"{type(value).__name__} keeps {sorted(expected)}"
-            )
+        check_scheduler_state(value, state, where)
     elif isinstance(value, torch.optim.Optimizer):
         own = value.optimizer if isinstance(value, ReplicaOptimizers) else value
         check_optimizer_state(own, state, where)

@@ -24,6 +24,7 @@ __all__ = [
     "check_module_state",
     "check_optimizer_groups_state",
     "check_optimizer_state",
+    "check_scheduler_state",
     "first_non_finite",
 ]
 
@@ -178,6 +179,18 @@ def _check_parameter_state(
         problem = _breaks(rule, entry[key], param)
         if problem:
             raise ValueError(f"{where}: {key!r} is {problem}; the model's {kind} expects {rule}")
+
+
+def check_scheduler_state(scheduler: Any, state: Any, source: str, fix: str = "") -> None:
+    """A ``ValueError`` naming ``source`` unless ``state`` holds every entry of the LR
+    ``scheduler``'s own state dict; ``fix`` ends the message."""
+    expected = scheduler.state_dict()
+    if not isinstance(state, Mapping) or not set(expected) <= set(state):
+        keys = sorted(state) if isinstance(state, Mapping) else type(state).__name__
+        raise ValueError(
+            f"{source}: the learning-rate schedule's state has {keys}, the "
+            f"{type(scheduler).__name__} keeps {sorted(expected)}{fix}"
+        )
 
 
 def first_non_finite(state_dict: Mapping[str, Any]) -> str | None:

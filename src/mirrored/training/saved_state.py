@@ -18,7 +18,11 @@ from typing import Any
 import torch
 
 from mirrored.core import state_checks
-from mirrored.core.state_checks import check_module_state, check_optimizer_state
+from mirrored.core.state_checks import (
+    check_module_state,
+    check_optimizer_state,
+    check_scheduler_state,
+)
 from mirrored.parameter_server import checkpoint as parameter_server_checkpoint
 from mirrored.training.loss_scale import LossScale
 from mirrored.training.steps import Steps
@@ -171,14 +175,9 @@ def _scheduler_state(
 ) -> dict[str, Any] | None:
     if saved is None or scheduler is None:
         return None
-    expected = scheduler.state_dict()
-    if not isinstance(saved, Mapping) or not set(expected) <= set(saved):
-        keys = sorted(saved) if isinstance(saved, Mapping) else type(saved).__name__
-        raise ValueError(
-            f"{source}: the learning-rate schedule's state has {keys}, the model's "
-            f"{type(scheduler).__name__} keeps {sorted(expected)}; compile with the scheduler "
-            "the state was saved with"
-        )
+    check_scheduler_state(
+        scheduler, saved, source, "; compile with the scheduler the state was saved with"
+    )
     return dict(saved)
 
 
