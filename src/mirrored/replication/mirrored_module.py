@@ -19,7 +19,12 @@ from torch import nn
 from mirrored.core.context import ReplicaContext, current_replica_context
 from mirrored.replication.buffer_sync import BufferSync, SyncsBuffers
 from mirrored.replication.mirror_features import NO_FEATURES, MirrorFeatures
-from mirrored.replication.outside_edits import CarriesOutsideEdits, OutsideEdits, ReplicaCheck
+from mirrored.replication.outside_edits import (
+    CarriesOutsideEdits,
+    OutsideEdits,
+    ReplicaCheck,
+    tensors_of,
+)
 
 if TYPE_CHECKING:
     from mirrored.strategies.in_process import InProcessStrategy
@@ -31,13 +36,6 @@ def replica_context_of(strategy: InProcessStrategy) -> ReplicaContext | None:
     """The current replica's context if it is one of ``strategy``'s replicas, else None."""
     replica = current_replica_context()
     return replica if replica is not None and replica.strategy is strategy else None
-
-
-def tensors_of(module: nn.Module) -> list[torch.Tensor]:
-    """Parameters then buffers, in a fixed order that is the same on every replica."""
-    return [p for _, p in module.named_parameters(remove_duplicate=False)] + [
-        b for _, b in module.named_buffers(remove_duplicate=False)
-    ]
 
 
 class ReplicaHandles:

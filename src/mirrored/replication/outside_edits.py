@@ -32,6 +32,8 @@ __all__ = [
     "ReplicaCheck",
     "ReplicasDifferError",
     "internal_hook",
+    "named_tensors",
+    "tensors_of",
 ]
 
 HookT = TypeVar("HookT", bound=Callable[..., Any])
@@ -46,6 +48,11 @@ def named_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """Parameters then buffers by name, in an order that is the same on every replica."""
     parameters = module.named_parameters(remove_duplicate=False)
     return [*parameters, *module.named_buffers(remove_duplicate=False)]
+
+
+def tensors_of(module: nn.Module) -> list[torch.Tensor]:
+    """``named_tensors``' tensors."""
+    return [tensor for _, tensor in named_tensors(module)]
 
 
 class CarriesOutsideEdits(abc.ABC):
@@ -99,15 +106,19 @@ class OutsideEdits:
         first = [t for _, t in named]
         cached = self._tensors[0]
         if len(first) != len(cached) or any(a is not b for a, b in zip(first, cached, strict=True)):
-            self._tensors = [first] + [[t for _, t in named_tensors(r)] for r in self._replicas[1:]]
+            self._tensors = [first] + [tensors_of(r) for r in self._replicas[1:]]
             self._siblings = _buffer_siblings(named, self._replicas[0])
         self._marks = [_mark(t) for t in first]
         hook_ids = [self._hook_keys(i, t) for i, t in enumerate(first)]
         for index, (before, now) in enumerate(zip(self._hook_ids, hook_ids, strict=False)):
-            if before != now:  # the gradient reducer's hook sees what the program's hooks made
-                for tensors in self._tensors:
-                    run_hooks_last(tensors[index], _INTERNAL_HOOKS.__contains__)
+            if before != now:  # hooks the replica function registered on every replica
+                self._run_internal_hooks_last(index)
         self._hook_ids = hook_ids
+
+    def _run_internal_hooks_last(self, index: int) -> None:
+        """The gradient reducer's hook on tensor ``index`` sees what the program's made."""
+        for tensors in self._tensors:
+            run_hooks_last(tensors[index], _INTERNAL_HOOKS.__contains__)
 
     def carry(self) -> None:
         """Before a run: replica 0's changes since ``mark`` onto every other replica."""
@@ -126,7 +137,7 @@ class OutsideEdits:
                     self._carry_hooks(index, tensor, keys)
         for index, changed_flag in changed.items():
             self._carry_tensor(index, first[index], changed_flag)
-        self.mark()
+            self._marks[index] = _mark(first[index])
 
     def _carry_tensor(self, index: int, source: torch.Tensor, changed_flag: bool) -> None:
         with torch.no_grad():
@@ -176,6 +187,8 @@ class OutsideEdits:
         for key in self._hook_ids[index] - keys:
             for handle in self._hooks.pop(key, ()):
                 handle.remove()
+        self._hook_ids[index] = keys
+        self._run_internal_hooks_last(index)
 
 
 # Hooks mirrored registers on every replica's parameters itself (the gradient reducer's).
