@@ -193,3 +193,45 @@ def test_a_gradient_only_one_replica_produced_reaches_every_replica(monkeypatch)
     per_replica = missing.values if isinstance(missing, mirrored.PerReplica) else [missing]
     assert not any(any(flags) for flags in per_replica)
     assert_replicas_identical(model)
+
+
+def test_a_per_parameter_optimizer_s_closure_runs_once_before_its_owners_update():
+    """SGD's ``step(closure)`` evaluates the closure once and returns its (global) loss; each
+    parameter's owner then updates it, as without a closure."""
+    batches = make_batches(num_examples=64, batch_size=32)
+    expected = make_mlp()
+    plain = torch.optim.SGD(expected.parameters(), lr=0.1, momentum=0.9)
+    plain_losses = []
+    for x, y in batches:
+        plain.zero_grad()
+        loss = F.cross_entropy(expected(x), y)
+        loss.backward()
+        plain.step()
+        plain_losses.append(loss.item())
+    with mirrored.MirroredStrategy(DEVICES) as strategy:
+        module = make_mlp()
+        model, optimizer = strategy.mirror(
+            module, torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+        )
+        calls = []
+
+        def step(x, y):
+            def closure():
+                calls.append(1)
+                optimizer.zero_grad()
+                loss = F.cross_entropy(model(x), y, reduction="none")
+                loss = mirrored.compute_average_loss(loss)
+                loss.backward()
+                return loss
+
+            return optimizer.step(closure)
+
+        losses = []
+        for batch in strategy.experimental_distribute_dataset(batches):
+            per_replica = strategy.experimental_local_results(strategy.run(step, args=batch))
+            assert all(torch.equal(loss, per_replica[0]) for loss in per_replica)
+            losses.append(per_replica[0].item())
+    assert len(calls) == len(DEVICES) * len(batches)
+    assert_close_float64(torch.tensor(losses), torch.tensor(plain_losses))
+    assert_same_parameters(expected, model)
+    assert_replicas_identical(model)

@@ -207,7 +207,6 @@ class MirroredOptimizer(ReplicaOptimizers):
                 "optimizer.step(closure) needs the gradients summed in each backward the closure "
                 "runs: turn gradient_accumulation_steps, local_sgd and zero_stage off for LBFGS"
             )
-        self._open_step(replica)
 
         def global_closure() -> Any:
             with torch.enable_grad():
@@ -220,16 +219,7 @@ class MirroredOptimizer(ReplicaOptimizers):
             (total,) = self._strategy.all_reduce_tensors(replica, ReduceOp.SUM, [loss.detach()])
             return total
 
-        if self._sharded is None:
-            result = self.optimizers[replica_id].step(global_closure)
-        else:  # a per-parameter optimizer calls its closure once, then updates: its owners
-            result = global_closure()
-            self._sharded.step(replica_id)
-            replica.exchange.barrier("optimizer.step: parameters copied")
-        self._reducer.end_step(replica_id)
-        if self._running_stats[replica_id]:
-            self._average_running_stats(replica)
-        return result
+        return self._step_reduced(replica, self._reducer, global_closure)
 
     def _without_torch_function(self) -> AbstractContextManager[Any]:
         """Torch-function modes (the per-replica RNG's) cost a Python call per op and replicas
@@ -339,26 +329,33 @@ class MirroredOptimizer(ReplicaOptimizers):
             return self._zero.step(replica)
         return self.optimizers[replica_id].step()
 
-    def _step_reduced(self, replica: ReplicaContext, reducer: OverlappedGradientReducer) -> Any:
-        """The step when backward already reduced the gradients: every replica applies the
-        update, or, where the replicas share one device's memory, each parameter's owner
-        applies it and copies the result (``sharded_update.py``)."""
+    def _step_reduced(
+        self, replica: ReplicaContext, reducer: OverlappedGradientReducer, closure: Any = None
+    ) -> Any:
+        """The step when backward reduces the gradients: every replica applies the update, or,
+        where the replicas share one device's memory, each parameter's owner applies it and
+        copies the result (``sharded_update.py``). ``closure`` (the replicas' loss summed):
+        the optimizer re-evaluates through it, each backward reducing its gradients."""
         replica_id = replica.local_replica_id
-        optimizer = self.optimizers[replica_id]
-        check_dense(self._params[replica_id])
-        reducer.finish_pass(replica_id)  # a step with no backward: reduce what is there
-        self._after_update[replica_id] = True
+        if closure is None:
+            check_dense(self._params[replica_id])
+            reducer.finish_pass(replica_id)  # a step with no backward: reduce what is there
+            self._after_update[replica_id] = True
         if len(self.optimizers) > 1:
             self._open_step(replica)
-        if self._running_stats[replica_id]:
-            self._average_running_stats(replica)
         if self._zero is not None:
             result = self._zero.step(replica)
         elif self._sharded is not None:
+            # A per-parameter optimizer calls its closure once, before it updates.
+            loss = None if closure is None else closure()
             result = self._sharded.step(replica_id)
             replica.exchange.barrier("optimizer.step: parameters copied")
+            if closure is not None:
+                result = loss
         else:
-            result = optimizer.step()
+            result = self.optimizers[replica_id].step(closure)
+        if self._running_stats[replica_id]:  # after any forward the closure ran
+            self._average_running_stats(replica)
         reducer.end_step(replica_id)
         return result
 
