@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import threading
+import weakref
 from types import MethodType
 
 import pytest
@@ -184,3 +187,24 @@ def test_run_argument_errors():
             )
         with pytest.raises(ValueError, match="results of different structure"):
             strategy.run(lambda: {mirrored.get_replica_context().replica_id_in_sync_group: 0})
+
+
+def test_a_strategy_a_program_drops_is_collected_with_its_threads():
+    """A notebook makes strategy after strategy: one dropped after training a mirrored model
+    must go, its replica threads with it (gradient hooks live where the collector cannot see)."""
+
+    def train() -> weakref.ref[mirrored.MirroredStrategy]:
+        strategy = mirrored.MirroredStrategy(["cpu:0", "cpu:1"])
+        with strategy.scope():
+            model = make_mlp()
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        train_mirrored(strategy, model, optimizer, make_batches()[:2])
+        return weakref.ref(strategy)
+
+    dropped = train()
+    gc.collect()
+    assert dropped() is None, "the strategy outlived the program's last reference to it"
+    for thread in threading.enumerate():
+        if thread.name.startswith("mirrored-replica-"):
+            thread.join(timeout=5)
+            assert not thread.is_alive(), f"{thread.name} outlived its strategy"

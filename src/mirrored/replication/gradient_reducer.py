@@ -178,7 +178,7 @@ class OverlappedGradientReducer:
         param = self._params[r][i]
         if param.requires_grad and not self._hooked[r][i]:
             self._accumulators[r][i] = _accumulator(param)
-            hook = internal_hook(functools.partial(self._on_grad, r, i))
+            hook = internal_hook(functools.partial(_on_grad_of, weakref.ref(self), r, i))
             self._handles.append(param.register_hook(hook))
             self._hooked[r][i] = True
 
@@ -386,6 +386,17 @@ def check_dense(params: Sequence[nn.Parameter]) -> None:
     for param in params:
         if param.grad is not None and param.grad.is_sparse:
             raise sparse_gradient_error(param.shape)
+
+
+def _on_grad_of(
+    reducer: weakref.ref[OverlappedGradientReducer], r: int, i: int, grad: torch.Tensor
+) -> torch.Tensor | None:
+    """A parameter's hook, holding its reducer weakly: the reducer keeps the parameter's
+    accumulator node, whose reference to the parameter (and so to its hooks) the garbage
+    collector cannot see, so a strong reference back would keep the reducer, its strategy and
+    the strategy's replica threads alive for as long as the process runs."""
+    alive = reducer()
+    return None if alive is None else alive._on_grad(r, i, grad)
 
 
 def _accumulator(param: nn.Parameter) -> Any:
