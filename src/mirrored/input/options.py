@@ -9,7 +9,9 @@ __all__ = ["InputOptions", "input_settings"]
 
 @dataclasses.dataclass(frozen=True)
 class InputOptions:
-    """How a distributed dataset is read (TensorFlow's ``tf.distribute.InputOptions``).
+    """How a distributed dataset is read (TensorFlow's ``tf.distribute.InputOptions``): given
+    to ``experimental_distribute_dataset``, or to ``Model.compile(input_options=...)`` for fit,
+    evaluate and predict.
 
     Args:
         experimental_per_replica_buffer_size: global batches read, split and copied to the

@@ -16,14 +16,18 @@ import torch
 from mirrored import losses as losses_module
 from mirrored import metrics as metrics_module
 from mirrored import optimizers as optimizers_module
+from mirrored.core import context
+from mirrored.input import InputOptions
 from mirrored.training.data_adapter import DataAdapter, _is_array_structure
 from mirrored.training.metric_set import MetricSet
 from mirrored.training.steps import PRECISIONS
 
 __all__ = [
     "build_optimizer",
+    "check_can_compile",
     "check_lr_scheduler",
     "check_precision",
+    "checked_input_options",
     "compiled_loss",
     "compiled_metrics",
     "metric_set",
@@ -49,6 +53,28 @@ def positive_int(name: str, value: Any) -> int:
 
 
 # -- compile -------------------------------------------------------------------------------------
+def check_can_compile(strategy: Any, fitting: bool) -> None:
+    """A model created under ``strategy`` is compiled in its scope, and not while it fits."""
+    current = context.get_strategy()
+    if context.has_strategy() and current is not strategy:
+        raise ValueError(
+            f"compile() was called in the scope of {current}, but the model was created "
+            f"under {strategy}; create and compile the model in the same scope"
+        )
+    if fitting:
+        raise RuntimeError("compile() was called during fit(); compile before fit")
+
+
+def checked_input_options(options: Any) -> InputOptions:
+    """``compile``'s ``input_options``: an ``InputOptions``, or None for the defaults."""
+    if options is not None and not isinstance(options, InputOptions):
+        raise TypeError(
+            f"input_options={options!r}: expected mirrored.InputOptions(batch_dim=..., "
+            "experimental_per_replica_buffer_size=...) or None"
+        )
+    return options or InputOptions()
+
+
 def compiled_loss(loss: Any) -> losses_module.Loss | None:
     loss_object = None if loss is None else losses_module.get(loss)
     if getattr(loss_object, "ignore_class", None) is not None:
@@ -142,7 +168,9 @@ def check_lr_scheduler(lr_scheduler: Any, optimizer: torch.optim.Optimizer, sche
 
 
 # -- fit -----------------------------------------------------------------------------------------
-def validation_adapter(validation_data: Any, batch_size: int | None) -> DataAdapter | None:
+def validation_adapter(
+    validation_data: Any, batch_size: int | None, batch_dim: int = 0
+) -> DataAdapter | None:
     if validation_data is None:
         return None
     if isinstance(validation_data, (tuple, list)) and all(
@@ -156,9 +184,14 @@ def validation_adapter(validation_data: Any, batch_size: int | None) -> DataAdap
             )
         weight = validation_data[2] if len(validation_data) == 3 else None
         return DataAdapter(
-            validation_data[0], validation_data[1], weight, batch_size, purpose="evaluate"
+            validation_data[0],
+            validation_data[1],
+            weight,
+            batch_size,
+            purpose="evaluate",
+            batch_dim=batch_dim,
         )
-    return DataAdapter(validation_data, purpose="evaluate")
+    return DataAdapter(validation_data, purpose="evaluate", batch_dim=batch_dim)
 
 
 def validation_schedule(validation_freq: Any) -> Callable[[int], bool]:

@@ -8,15 +8,17 @@ Two kinds of input, as in Keras:
   Without y, a list or tuple whose items are all such batches (or dicts) is an iterable of
   batches; with y it is arrays (a multi-input x, as in Keras).
 
-A batch is normalised to ``(x, y, sample_weight)``. A dict x needs no y (a Hugging Face model's
-inputs carry their ``labels``, or the model computes its own loss): dict arrays without y, and
-batches that are dicts, are x alone. An epoch can start after its first ``skip`` batches, which
-is how ``BackupAndRestore`` resumes mid-epoch.
+Arrays are batched along ``batch_dim`` (``compile(input_options=InputOptions(batch_dim=1))``
+for sequence-first data); a batch is normalised to ``(x, y, sample_weight)``. A dict x needs no
+y (a Hugging Face model's inputs carry their ``labels``, or the model computes its own loss):
+dict arrays without y, and batches that are dicts, are x alone. An epoch can start after its
+first ``skip`` batches, which is how ``BackupAndRestore`` resumes mid-epoch.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
 from typing import Any
@@ -109,8 +111,10 @@ class DataAdapter:
         shuffle: bool = False,
         steps: int | None = None,
         purpose: str = "fit",
+        batch_dim: int = 0,
     ) -> None:
         self.purpose = purpose
+        self.batch_dim = batch_dim
         if steps is not None and (not isinstance(steps, int) or steps <= 0):
             raise ValueError(f"steps={steps!r}: expected a positive int or None")
         if x is None:
@@ -151,8 +155,9 @@ class DataAdapter:
                 "'labels', or a DataLoader of (x, y)"
             )
         self._arrays = map_structure(_as_tensor, (x, y, sample_weight))
+        dim = self.batch_dim
         lengths = {
-            f"{name}{tuple(t.shape)}": (t.shape[0] if t.dim() else None)
+            f"{name}{tuple(t.shape)}": (t.shape[dim] if t.dim() > dim else None)
             for name, value in parts.items()
             if value is not None
             for t in flatten(map_structure(_as_tensor, value))
@@ -160,8 +165,9 @@ class DataAdapter:
         sizes = set(lengths.values())
         if None in sizes or len(sizes) != 1:
             raise ValueError(
-                "x, y and sample_weight must have the same number of examples (dim 0); got "
-                + ", ".join(lengths)
+                "x, y and sample_weight must have the same number of examples (dim "
+                f"{dim}{', compile(input_options=InputOptions(batch_dim=...))' if dim else ''}); "
+                "got " + ", ".join(lengths)
             )
         self.num_examples = int(sizes.pop() or 0)
         if self.num_examples == 0:
@@ -240,10 +246,16 @@ class DataAdapter:
         else:
             order = None
         for start in range(0, self.num_examples, self.batch_size):
+            length = min(self.batch_size, self.num_examples - start)
             if order is None:
-                index: Any = slice(start, start + self.batch_size)
+                take: Callable[[torch.Tensor], torch.Tensor] = functools.partial(
+                    torch.narrow, dim=self.batch_dim, start=start, length=length
+                )
             else:
-                index = order[start : start + self.batch_size]
+                take = functools.partial(
+                    torch.index_select, dim=self.batch_dim, index=order[start : start + length]
+                )
             yield map_structure(
-                lambda t, i=index: t[i] if isinstance(t, torch.Tensor) else t, (x, y, weight)
+                lambda t, take=take: take(t) if isinstance(t, torch.Tensor) else t,
+                (x, y, weight),
             )

@@ -77,18 +77,22 @@ def run_predict(
     callback_list: CallbackList,
     was_training: bool,
 ) -> Any:
-    """Every batch's outputs, concatenated in order, on the CPU (``runner``: the compiled steps,
-    or ``predict_only`` of the replicas for a model never compiled)."""
+    """Every batch's outputs, concatenated in order along the batch dimension, on the CPU
+    (``runner``: the compiled steps, or ``predict_only`` of the replicas for a model never
+    compiled)."""
     outputs: list[Any] = []
     local.set_training(False)
     callback_list.on_predict_begin()
+    batch_dim = 0
     try:
         step = 0
         for group in local.executions(batches):
             callback_list.on_predict_batch_begin(step)
-            per_batch = local.strategy.run(runner().predict, args=(group,))
+            steps = runner()
+            batch_dim = steps.input_options.batch_dim
+            per_batch = local.strategy.run(steps.predict, args=(group,))
             for index in range(len(group)):
-                gathered = local.strategy.gather(per_batch[index], 0)
+                gathered = local.strategy.gather(per_batch[index], batch_dim)
                 outputs.append(map_structure(lambda t: t.cpu(), gathered))
             step += len(group)
             callback_list.on_predict_batch_end(step - 1, {})
@@ -97,7 +101,7 @@ def run_predict(
     if not outputs:
         raise ValueError("predict(): the data yielded no batches")
     callback_list.on_predict_end()
-    return map_structure(lambda *parts: torch.cat(parts), *outputs)
+    return map_structure(lambda *parts: torch.cat(parts, batch_dim), *outputs)
 
 
 def predict_only(replicas: Any) -> Steps:

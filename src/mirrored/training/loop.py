@@ -36,6 +36,7 @@ class FitRequest:
     y: Any
     sample_weight: Any
     batch_size: int | None
+    batch_dim: int  # compile's InputOptions(batch_dim=...): arrays are batched along it
     shuffle: bool
     epochs: int
     initial_epoch: int

@@ -28,6 +28,7 @@ from mirrored import optimizers as optimizers_module
 from mirrored.callbacks.callback import Callback, CallbackList
 from mirrored.callbacks.history import History
 from mirrored.core import context
+from mirrored.input import InputOptions
 from mirrored.replication.mirror import MirroredModule, check_optimizer_params
 from mirrored.training import arguments, evaluation, lazy_build, saved_state
 from mirrored.training.data_adapter import DataAdapter
@@ -170,7 +171,8 @@ class Model:
             batches = itertools.chain([first], batches)
         self._mirrored_module()
         strategy = self._loop.local_strategy
-        distributed = iter(strategy.experimental_distribute_dataset(batches))
+        options = None if self._steps is None else self._steps.input_options
+        distributed = iter(strategy.experimental_distribute_dataset(batches, options))
         while group := list(itertools.islice(distributed, self._steps_per_execution)):
             yield group
 
@@ -203,6 +205,7 @@ class Model:
         precision: str = "32",
         lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
         sync_batch_norm: bool = False,
+        input_options: InputOptions | None = None,
     ) -> None:
         """Choose the optimizer, loss and metrics, and mirror the module on the strategy (a
         module with lazy parameters: on the first batch, once they are built).
@@ -220,9 +223,11 @@ class Model:
         (autocast; float16 adds dynamic loss scaling; the weights stay float32).
         ``lr_scheduler``: a torch LR scheduler on that optimizer, stepped after every update.
         ``steps_per_execution``: batches per ``strategy.run`` (callbacks' batch hooks run once
-        per execution).
+        per execution). ``input_options``: how fit, evaluate and predict read batches
+        (``InputOptions``): ``batch_dim=1`` for a sequence-first model, whose inputs, targets,
+        weights and predictions carry the batch in dim 1; read ahead.
         """
-        self._check_can_compile()
+        arguments.check_can_compile(self.strategy, fitting=self._run is not None)
         loss_object = arguments.compiled_loss(loss)
         arguments.positive_int("steps_per_execution", steps_per_execution)
         arguments.check_precision(precision, self.strategy)
@@ -230,6 +235,7 @@ class Model:
         compiled_weighted = arguments.compiled_metrics(
             "weighted_metrics", weighted_metrics, loss_object
         )
+        options = arguments.checked_input_options(input_options)
         self._loop.check_compile(self.module)
         # A torch optimizer on lazy parameters keeps working: torch materialises the parameter
         # objects in place.
@@ -245,18 +251,9 @@ class Model:
             precision=precision,
             schedule=schedule,
             lr_scheduler=lr_scheduler,
+            input_options=options,
         )
         self._install(steps, torch_optimizer, steps_per_execution, sync_batch_norm)
-
-    def _check_can_compile(self) -> None:
-        current = context.get_strategy()
-        if context.has_strategy() and current is not self.strategy:
-            raise ValueError(
-                f"compile() was called in the scope of {current}, but the model was created "
-                f"under {self.strategy}; create and compile the model in the same scope"
-            )
-        if self._run is not None:
-            raise RuntimeError("compile() was called during fit(); compile before fit")
 
     def _install(
         self,
@@ -298,7 +295,7 @@ class Model:
         On a ``ParameterServerStrategy``, ``x`` is arrays (each worker takes every n-th
         example) or a ``dataset_fn(InputContext)`` that builds a worker's batches there, and
         ``steps_per_epoch`` is required (``mirrored.training.parameter_server_fit``)."""
-        self._compiled()
+        batch_dim = self._compiled().input_options.batch_dim
         if self._run is not None:
             raise RuntimeError("fit() was called while fit() is running (from a callback?)")
         arguments.positive_int("epochs", epochs)
@@ -311,13 +308,14 @@ class Model:
             y=y,
             sample_weight=sample_weight,
             batch_size=batch_size,
+            batch_dim=batch_dim,
             shuffle=shuffle,
             epochs=epochs,
             initial_epoch=initial_epoch,
             steps_per_epoch=steps_per_epoch,
             verbose=arguments.resolve_verbose(verbose),
             callbacks=callbacks,
-            validation=arguments.validation_adapter(validation_data, batch_size),
+            validation=arguments.validation_adapter(validation_data, batch_size, batch_dim),
             validate_at=arguments.validation_schedule(validation_freq),
         )
         self._loop.fit(request, lambda steps: self._fitting(request, steps))
@@ -391,13 +389,13 @@ class Model:
     ) -> Any:
         """Loss and metrics on the data: a float (loss only), a list ``[loss, metrics...]``, or
         with ``return_dict`` a dict."""
-        self._compiled()
+        batch_dim = self._compiled().input_options.batch_dim
         if self._run is not None:
             raise RuntimeError(
                 "evaluate() was called during fit() (from a callback?): it would reset the "
                 "epoch's metrics; pass validation_data to fit() instead"
             )
-        data = DataAdapter(x, y, sample_weight, batch_size, False, steps, "evaluate")
+        data = DataAdapter(x, y, sample_weight, batch_size, False, steps, "evaluate", batch_dim)
         callback_list = self._callbacks_for_one_pass(callbacks, verbose, data)
         logs = self._test_loop(data, callback_list)
         if return_dict:
@@ -424,7 +422,8 @@ class Model:
         """The model's outputs for every example, concatenated in order, on the CPU (a tensor,
         or the structure the module returns; of a mapping such as a Hugging Face
         ``ModelOutput``, a dict of its per-example entries: no mean loss, no cache)."""
-        data = DataAdapter(x, None, None, batch_size, False, steps, "predict")
+        batch_dim = self._predict_steps().input_options.batch_dim
+        data = DataAdapter(x, None, None, batch_size, False, steps, "predict", batch_dim)
         callback_list = self._callbacks_for_one_pass(callbacks, verbose, data)
         self._loop.pull(self._replicas)
         was_training = bool(self.module.training)

@@ -46,7 +46,7 @@ from mirrored.training.loss_scale import LossScale
 from mirrored.training.saved_state import ModelParts
 from mirrored.training.steps import Steps
 
-__all__ = ["ParameterServerLoop", "train_step"]
+__all__ = ["ParameterServerLoop", "check_fit", "train_step"]
 
 
 class ParameterServerLoop:
@@ -83,7 +83,7 @@ class ParameterServerLoop:
     def fit(
         self, request: FitRequest, start: Callable[[int | None], AbstractContextManager[FitRun]]
     ) -> None:
-        steps_per_epoch = _check_fit(request)
+        steps_per_epoch = check_fit(request)
         dataset = self.coordinator.create_per_worker_dataset(
             functools.partial(
                 worker_batches,
@@ -148,12 +148,18 @@ class ParameterServerLoop:
         self.pull(replicas)
 
 
-def _check_fit(request: FitRequest) -> int:
+def check_fit(request: FitRequest) -> int:
     """Refuse, on the coordinator, what fit cannot do here; the steps of an epoch."""
     if request.steps_per_epoch is None:
         raise ValueError(
             "fit() on a ParameterServerStrategy needs steps_per_epoch: every worker repeats its "
             "own dataset, so an epoch is a number of steps (as in TensorFlow)"
+        )
+    if request.batch_dim != 0:
+        raise ValueError(
+            f"compile(input_options=InputOptions(batch_dim={request.batch_dim})): fit() on a "
+            "ParameterServerStrategy reads batch-first data only; give it batches with the "
+            "examples in dim 0 (transpose in the model's forward), or use MirroredStrategy"
         )
     if any(isinstance(c, BackupAndRestore) for c in request.callbacks or []):
         raise ValueError(

@@ -58,6 +58,7 @@ class ReplicatedLoop:
             request.shuffle,
             request.steps_per_epoch,
             "fit",
+            request.batch_dim,
         )
         with start(data.steps_per_epoch) as run:
             run.callbacks.on_train_begin()

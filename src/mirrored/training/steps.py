@@ -31,7 +31,7 @@ from mirrored import losses as losses_module
 from mirrored._torch_internals import amp_unscale_and_check_, code_of
 from mirrored.core.context import get_replica_context
 from mirrored.core.values import ReduceOp, flatten, map_structure
-from mirrored.input import batch_size_of
+from mirrored.input import InputOptions, batch_size_of
 from mirrored.losses import broadcast_weight, compute_average_loss, scale_shard_mean
 from mirrored.training.loss_scale import LossScale
 from mirrored.training.metric_set import MetricSet
@@ -182,25 +182,61 @@ class ShardLoss:
         return torch.where(count > 0, value * count, torch.zeros_like(value))
 
 
-def _own_loss_count(x: Any, shifted: bool) -> torch.Tensor | int:
+def _own_loss_count(x: Any, shifted: bool, batch_dim: int) -> torch.Tensor | int:
     """How many terms a model's own mean loss averages on this shard: its labels that are not
     IGNORE_INDEX when x carries labels (a causal language model's from the second position on:
     ``shifted``), else its examples."""
     labels = _labels_of_logits(x, shifted)
-    return batch_size_of(x) if labels is None else (labels != IGNORE_INDEX).sum()
+    return batch_size_of(x, batch_dim) if labels is None else (labels != IGNORE_INDEX).sum()
 
 
-def _per_example(value: Any) -> bool:
+def _per_example(value: Any, batch_dim: int) -> bool:
     leaves = flatten(value)
-    return bool(leaves) and all(isinstance(v, torch.Tensor) and v.dim() > 0 for v in leaves)
+    return bool(leaves) and all(isinstance(v, torch.Tensor) and v.dim() > batch_dim for v in leaves)
 
 
-def _predicted(y_pred: Any) -> Any:
+def _predicted(y_pred: Any, batch_dim: int) -> Any:
     """What predict returns of one batch's output: a mapping output as a plain dict of its
     per-example entries (a model's mean loss and a cache object left out), all detached."""
     if isinstance(y_pred, Mapping):
-        y_pred = {k: v for k, v in y_pred.items() if _per_example(v)}
+        y_pred = {k: v for k, v in y_pred.items() if _per_example(v, batch_dim)}
     return map_structure(_detach, y_pred)
+
+
+def _moved_first(value: Any, batch_dim: int) -> Any:
+    """The tensors of ``value`` with dim ``batch_dim`` moved first (views; scalars as they are)."""
+    return map_structure(
+        lambda v: (
+            v.movedim(batch_dim, 0) if isinstance(v, torch.Tensor) and v.dim() > batch_dim else v
+        ),
+        value,
+    )
+
+
+def _batch_first(x: Any, targets: Targets, y_pred: Any, batch_dim: int) -> tuple[Targets, Any]:
+    """Targets and predictions of a batch split along ``batch_dim`` with that dimension moved
+    first, where the loss and metrics read the examples: the same loss, per example, as the
+    batch-first model's. The predictions must hold the batch where the inputs do; one that
+    does not (a ``[batch, classes]`` output of ``[seq, batch]`` inputs) is refused."""
+    if batch_dim == 0:
+        return targets, y_pred
+    predicted = predictions(y_pred)
+    size = batch_size_of(x, batch_dim)
+    if isinstance(predicted, torch.Tensor) and (
+        predicted.dim() <= batch_dim or predicted.shape[batch_dim] != size
+    ):
+        raise ValueError(
+            f"InputOptions(batch_dim={batch_dim}) reads the model's predictions along dim "
+            f"{batch_dim}, as its inputs, but for a shard of {size} examples the model returned "
+            f"shape {list(predicted.shape)}; return the predictions with the batch in dim "
+            f"{batch_dim}, or give the model batch-first data and batch_dim=0"
+        )
+    if isinstance(y_pred, Mapping):
+        y_pred = {**y_pred, "logits": _moved_first(predicted, batch_dim)}
+    else:
+        y_pred = _moved_first(y_pred, batch_dim)
+    moved = _moved_first((targets.y, targets.sample_weight, targets.mask), batch_dim)
+    return Targets(*moved), y_pred
 
 
 def to_device(structure: Any, device: torch.device) -> Any:
@@ -226,6 +262,8 @@ class Steps:
     precision: str
     schedule: Any  # a mirrored.optimizers.Optimizer whose learning rate is scheduled, or None
     lr_scheduler: Any  # a torch LRScheduler stepped after every update, or None
+    # how each batch is split: its batch_dim
+    input_options: InputOptions = dataclasses.field(default_factory=InputOptions)
 
     # -- pieces ------------------------------------------------------------------------------------
     def scheduled_learning_rate(self, iteration: int) -> float:
@@ -251,6 +289,12 @@ class Steps:
             y_pred = call_module(self.module, x)
         return x, y, sample_weight, y_pred
 
+    def _outputs(self, batch: tuple[Any, Any, Any]) -> tuple[Any, Targets, Any]:
+        """Forward on one batch: its inputs, and targets and predictions batch first."""
+        x, y, sample_weight, y_pred = self._forward(batch)
+        targets = targets_of(x, y, sample_weight, shifts_labels(self.module))
+        return x, *_batch_first(x, targets, y_pred, self.input_options.batch_dim)
+
     def _shard_loss(self, x: Any, targets: Targets, y_pred: Any) -> ShardLoss:
         """The compiled loss summed over the shard (each example's weighted mean loss element),
         or the model's own mean loss."""
@@ -263,7 +307,8 @@ class Steps:
                     "computes it when x carries 'labels'): put the labels in x, or compile with "
                     "a loss"
                 )
-            return ShardLoss(own, _own_loss_count(x, shifts_labels(self.module)), is_mean=True)
+            count = _own_loss_count(x, shifts_labels(self.module), self.input_options.batch_dim)
+            return ShardLoss(own, count, is_mean=True)
         if targets.y is None:
             raise ValueError(
                 "the data yields no targets: fit and evaluate need (x, y), x as a dict carrying "
@@ -308,8 +353,7 @@ class Steps:
         for offset, (batch, global_batch_size) in enumerate(
             zip(batches, global_batch_sizes, strict=True)
         ):
-            x, y, sample_weight, y_pred = self._forward(batch)
-            targets = targets_of(x, y, sample_weight, shifts_labels(self.module))
+            x, targets, y_pred = self._outputs(batch)
             shard_loss = self._shard_loss(x, targets, y_pred)
             loss = shard_loss.scaled(global_batch_size)
             if self.precision == "16-mixed":
@@ -358,8 +402,7 @@ class Steps:
         total: torch.Tensor | None = None
         with torch.no_grad():
             for batch in batches:
-                x, y, sample_weight, y_pred = self._forward(batch)
-                targets = targets_of(x, y, sample_weight, shifts_labels(self.module))
+                x, targets, y_pred = self._outputs(batch)
                 shard_loss = self._shard_loss(x, targets, y_pred)
                 state = self._batch_state(shard_loss, targets, y_pred)
                 total = state if total is None else total + state
@@ -371,7 +414,8 @@ class Steps:
         outputs = []
         with torch.no_grad():
             for batch in batches:
-                outputs.append(_predicted(self._forward(batch)[3]))
+                y_pred = self._forward(batch)[3]
+                outputs.append(_predicted(y_pred, self.input_options.batch_dim))
         return outputs
 
 
