@@ -27,7 +27,7 @@ from mirrored.core.values import PerReplica, ReduceOp
 if TYPE_CHECKING:
     from mirrored.comm.wire_compression import BucketCompressor, PendingSum
     from mirrored.comm.worker_group import WorkerGroup
-    from mirrored.core.context import ReplicaContext
+    from mirrored.core.replica_set import Participant
 
 __all__ = ["Communicator", "WorkerLayout"]
 
@@ -93,7 +93,7 @@ class Communicator:
 
     # -- inside a run: every local replica calls these ------------------------------------------
     def all_reduce_tensors(
-        self, replica: ReplicaContext, reduce_op: ReduceOp, tensors: Sequence[torch.Tensor]
+        self, replica: Participant, reduce_op: ReduceOp, tensors: Sequence[torch.Tensor]
     ) -> list[torch.Tensor]:
         """Reduce ``tensors`` over every replica, packed into the cross-device op's buckets."""
         return all_reduce_in_buckets(
@@ -120,7 +120,7 @@ class Communicator:
             exchange.barrier("all_reduce: across workers done", cross_device=True)
 
     def all_gather_tensors(
-        self, replica: ReplicaContext, tensors: Sequence[torch.Tensor], axis: int
+        self, replica: Participant, tensors: Sequence[torch.Tensor], axis: int
     ) -> list[torch.Tensor]:
         """Each tensor concatenated along ``axis`` over every replica, in replica order, on this
         replica's device (sizes along ``axis`` may differ)."""
@@ -129,13 +129,13 @@ class Communicator:
         if self.workers is None:
             return local
         gathered = None
-        if replica.local_replica_id == 0:
+        if replica.exchange.replica_id == 0:
             gathered = [self._gather_across_workers(t, axis) for t in local]
         if one:
             assert gathered is not None
             return gathered
         first = replica.exchange.all("all_gather: across workers", gathered, cross_device=True)[0]
-        result = [t.to(replica.device) for t in first]
+        result = [t.to(replica.exchange.device) for t in first]
         replica.exchange.barrier("all_gather: across workers done", cross_device=True)
         return result
 

@@ -27,8 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from mirrored.comm.wire_compression import PendingSum
-    from mirrored.comm.worker_group import WorkerGroup
+    from mirrored.comm.worker_group import PendingCollective, WorkerGroup
 
 __all__ = ["PowerSGD", "PowerSGDBucket", "PowerSGDSum"]
 
@@ -132,7 +131,7 @@ class PowerSGDSum:
             self._gradients.append(gradient)
             parts.append((gradient @ matrix.q).reshape(-1))
         self._first = torch.cat(parts)
-        self._pending: PendingSum | None = group.all_reduce_async(
+        self._pending: PendingCollective | None = group.all_reduce_async(
             self._first, f"{label} (PowerSGD: P and whole tensors)"
         )
 

@@ -19,13 +19,13 @@ from mirrored.core.rendezvous import ReplicaExchange
 from mirrored.core.values import ReduceOp
 
 if TYPE_CHECKING:
-    from mirrored.core.context import ReplicaContext
+    from mirrored.core.replica_set import Participant
 
 __all__ = ["all_gather_local", "all_reduce_in_buckets"]
 
 
 def all_reduce_in_buckets(
-    replica: ReplicaContext,
+    replica: Participant,
     reduce_op: ReduceOp,
     tensors: Sequence[torch.Tensor],
     cross_device_ops: CrossDeviceOps,
@@ -48,7 +48,7 @@ def all_reduce_in_buckets(
             "Reduce per-replica sums or counts (e.g. x.sum(0)), not ragged shards"
         )
     plan = cross_device_ops.plan(tensors)
-    packed = PackedTensors(plan, [t.shape for t in tensors], replica.device)
+    packed = PackedTensors(plan, [t.shape for t in tensors], replica.exchange.device)
     packed.pack(tensors)
     for buffer in packed.buffers:
         all_reduce_buffer(replica.exchange, buffer)
@@ -59,13 +59,13 @@ def all_reduce_in_buckets(
 
 
 def all_gather_local(
-    replica: ReplicaContext, tensors: Sequence[torch.Tensor], axis: int
+    replica: Participant, tensors: Sequence[torch.Tensor], axis: int
 ) -> list[torch.Tensor]:
     """Collective: each tensor concatenated along ``axis`` over this process's replicas, in
     replica order, on this replica's device (sizes along ``axis`` may differ)."""
     everyone = replica.exchange.all("all_gather", list(tensors), cross_device=True)
     gathered = [
-        torch.cat([peer[i].to(replica.device) for peer in everyone], dim=axis)
+        torch.cat([peer[i].to(replica.exchange.device) for peer in everyone], dim=axis)
         for i in range(len(tensors))
     ]
     # Peers must not change their inputs before everyone has read them.

@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mirrored.core.strategy import Strategy, scoped_strategy
 from mirrored.core.values import ReduceOp, flatten, map_structure, regroup, select_replica
 
 if TYPE_CHECKING:
     from mirrored.core.rendezvous import ReplicaExchange
-    from mirrored.core.strategy import Strategy
-    from mirrored.strategies.in_process import InProcessStrategy
+    from mirrored.core.replica_set import ReplicaSet
 
 __all__ = [
     "ReplicaContext",
@@ -34,7 +34,6 @@ __all__ = [
 
 class _State(threading.local):
     def __init__(self) -> None:
-        self.strategy_stack: list[Strategy] = []
         self.replica_context: ReplicaContext | None = None
         self.in_merge = False
 
@@ -74,7 +73,7 @@ class ReplicaContext:
 
     def __init__(
         self,
-        strategy: InProcessStrategy,
+        strategy: ReplicaSet,
         replica_id: int,
         exchange: ReplicaExchange,
         global_batch_size: int | None = None,
@@ -165,22 +164,6 @@ def replica_scope(context: ReplicaContext) -> AbstractContextManager[None]:
     return _thread_state("replica_context", context)
 
 
-@contextmanager
-def strategy_scope(strategy: Strategy) -> Iterator[None]:
-    """Make ``strategy`` current on this thread; mixing two strategies is an error."""
-    stack = _state.strategy_stack
-    if stack and stack[-1] is not strategy:
-        raise RuntimeError(
-            f"cannot enter the scope of {type(strategy).__name__} inside the scope of another "
-            f"strategy ({type(stack[-1]).__name__}); leave that scope first"
-        )
-    stack.append(strategy)
-    try:
-        yield
-    finally:
-        stack.pop()
-
-
 def in_merge_call() -> bool:
     """True while a merge call's function runs on a replica thread."""
     return _state.in_merge
@@ -196,21 +179,20 @@ def get_strategy() -> Strategy:
     the default one-device strategy."""
     if _state.replica_context is not None:
         return _state.replica_context.strategy
-    if _state.strategy_stack:
-        return _state.strategy_stack[-1]
-    return _default.strategy()
+    scoped = scoped_strategy()
+    return scoped if scoped is not None else _default.strategy()
 
 
 def has_strategy() -> bool:
     """True inside a (non-default) strategy's scope or replica function."""
-    return _state.replica_context is not None or bool(_state.strategy_stack)
+    return _state.replica_context is not None or scoped_strategy() is not None
 
 
 def in_cross_replica_context() -> bool:
     """True inside a strategy scope but outside any replica function (or inside a merge call)."""
     if _state.in_merge:
         return True
-    return _state.replica_context is None and bool(_state.strategy_stack)
+    return _state.replica_context is None and scoped_strategy() is not None
 
 
 def get_replica_context() -> ReplicaContext | None:
@@ -220,6 +202,6 @@ def get_replica_context() -> ReplicaContext | None:
         return None
     if _state.replica_context is not None:
         return _state.replica_context
-    if _state.strategy_stack:
+    if scoped_strategy() is not None:
         return None
     return _default.replica_context()

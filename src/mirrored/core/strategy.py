@@ -13,17 +13,31 @@ schedules its steps on remote workers through a ``ClusterCoordinator``. TensorFl
 from __future__ import annotations
 
 import abc
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import torch
 
-from mirrored.core import context
-
-__all__ = ["Strategy"]
+__all__ = ["Strategy", "scoped_strategy"]
 
 _StrategyT = TypeVar("_StrategyT", bound="Strategy")
+
+
+class _Scopes(threading.local):
+    """The scopes this thread is in, innermost last (:mod:`mirrored.core.context` reads them)."""
+
+    def __init__(self) -> None:
+        self.stack: list[Strategy] = []
+
+
+_scopes = _Scopes()
+
+
+def scoped_strategy() -> Strategy | None:
+    """The strategy whose ``scope()`` this thread is in, or None."""
+    return _scopes.stack[-1] if _scopes.stack else None
 
 
 class Strategy(abc.ABC):
@@ -40,8 +54,17 @@ class Strategy(abc.ABC):
     def scope(self: _StrategyT) -> Iterator[_StrategyT]:
         """Make this the current strategy (``mirrored.get_strategy()``) on this thread, e.g. to
         create a ``mirrored.Model`` on it."""
-        with context.strategy_scope(self):
+        stack = _scopes.stack
+        if stack and stack[-1] is not self:
+            raise RuntimeError(
+                f"cannot enter the scope of {type(self).__name__} inside the scope of another "
+                f"strategy ({type(stack[-1]).__name__}); leave that scope first"
+            )
+        stack.append(self)
+        try:
             yield self
+        finally:
+            stack.pop()
 
     @property
     @abc.abstractmethod

@@ -20,7 +20,7 @@ from mirrored.core.context import ReplicaContext, current_replica_context
 from mirrored.core.values import ReduceOp
 
 if TYPE_CHECKING:
-    from mirrored.strategies.in_process import InProcessStrategy
+    from mirrored.core.replica_set import ReplicaSet
 
 __all__ = ["MirroredSyncBatchNorm", "convert_sync_batch_norm", "running_stat_buffers"]
 
@@ -120,7 +120,7 @@ class MirroredSyncBatchNorm(BatchNormBase):
         return result
 
 
-def convert_sync_batch_norm(module: nn.Module, strategy: InProcessStrategy) -> nn.Module:
+def convert_sync_batch_norm(module: nn.Module, strategy: ReplicaSet) -> nn.Module:
     """Replace every BatchNorm layer of ``module`` by a MirroredSyncBatchNorm sharing its
     parameters and buffers (the root may be replaced, so use the return value)."""
     physical = [d.physical for d in strategy.devices]

@@ -51,9 +51,9 @@ if TYPE_CHECKING:
     from mirrored.comm.communicator import Communicator
     from mirrored.comm.powersgd import PowerSGD
     from mirrored.comm.wire_compression import PendingSum
+    from mirrored.core.replica_set import ReplicaSet
     from mirrored.replication.accumulation import AccumulationWindow
     from mirrored.replication.local_sgd import LocalSteps
-    from mirrored.strategies.in_process import InProcessStrategy
 
 __all__ = [
     "BYTES_PER_PACK",
@@ -91,7 +91,7 @@ class OverlappedGradientReducer:
 
     def __init__(
         self,
-        strategy: InProcessStrategy,
+        strategy: ReplicaSet,
         params: Sequence[Sequence[nn.Parameter]],
         communicator: Communicator,
         window: AccumulationWindow | None,

@@ -39,7 +39,7 @@ from mirrored.replication.optimizer_routes import holds_any
 from mirrored.replication.sharded_update import load_own_copy
 
 if TYPE_CHECKING:
-    from mirrored.strategies.in_process import InProcessStrategy
+    from mirrored.core.replica_set import ReplicaSet
 
 __all__ = [
     "MirroredModule",
@@ -72,7 +72,7 @@ def replicate_optimizer(
 
 
 def mirror_module(
-    strategy: InProcessStrategy,
+    strategy: ReplicaSet,
     module: nn.Module,
     optimizers: Sequence[torch.optim.Optimizer],
     *,

@@ -27,12 +27,12 @@ from mirrored.replication.outside_edits import (
 )
 
 if TYPE_CHECKING:
-    from mirrored.strategies.in_process import InProcessStrategy
+    from mirrored.core.replica_set import ReplicaSet
 
 __all__ = ["MIRRORED_BY", "MirroredModule", "ReplicaHandles", "replica_context_of", "tensors_of"]
 
 
-def replica_context_of(strategy: InProcessStrategy) -> ReplicaContext | None:
+def replica_context_of(strategy: ReplicaSet) -> ReplicaContext | None:
     """The current replica's context if it is one of ``strategy``'s replicas, else None."""
     replica = current_replica_context()
     return replica if replica is not None and replica.strategy is strategy else None
@@ -94,7 +94,7 @@ class MirroredModule(SyncsBuffers, CarriesOutsideEdits):
 
     def __init__(
         self,
-        strategy: InProcessStrategy,
+        strategy: ReplicaSet,
         replicas: Sequence[nn.Module],
         features: MirrorFeatures = NO_FEATURES,
     ) -> None:

@@ -3,7 +3,8 @@
 A strategy of this kind owns replicas (one per device) and runs a step on all of them: ``run``
 hands each replica its slice of the arguments, ``reduce`` / ``gather`` combine their results, and
 datasets are split into per-replica shards. ``InProcessStrategy`` implements the ``Strategy``
-contract (:mod:`mirrored.core.strategy`) for them and is abstract: a subclass says how replica
+contract (:mod:`mirrored.core.strategy`) for them, and the replica-set contract its replicas
+talk through (:mod:`mirrored.core.replica_set`), and is abstract: a subclass says how replica
 functions are executed (``_execute``), how a model is mirrored (``mirror``) and how it is closed.
 The features of the replicated strategies (gradient accumulation, local SGD, ZeRO) live on their
 family, :class:`mirrored.strategies.replicated.ReplicatedStrategy`.
@@ -18,7 +19,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -28,8 +29,8 @@ from mirrored.config import LogicalDevice
 from mirrored.core import context
 from mirrored.core.rendezvous import Rendezvous, ReplicaExchange
 from mirrored.core.replica_failures import add_note, first_failure
+from mirrored.core.replica_set import Participant, ReplicaSet, Replicated
 from mirrored.core.replica_workers import Outcome
-from mirrored.core.strategy import Strategy
 from mirrored.core.values import (
     PerReplica,
     ReduceOp,
@@ -53,13 +54,7 @@ from mirrored.replication.outside_edits import CarriesOutsideEdits
 __all__ = ["InProcessStrategy", "add_note"]
 
 
-class Replicated(Protocol):
-    """Something kept identical on every replica (a mirrored module or optimizer)."""
-
-    def resync(self) -> None: ...
-
-
-class InProcessStrategy(Strategy):
+class InProcessStrategy(ReplicaSet):
     """Base of the strategies whose replicas this process runs (``run`` on replica threads)."""
 
     def __init__(
@@ -324,14 +319,14 @@ class InProcessStrategy(Strategy):
         yield
 
     def all_reduce_tensors(
-        self, replica: context.ReplicaContext, reduce_op: ReduceOp, tensors: Sequence[torch.Tensor]
+        self, replica: Participant, reduce_op: ReduceOp, tensors: Sequence[torch.Tensor]
     ) -> list[torch.Tensor]:
         """Collective: reduce a list of tensors across replicas, packed into buckets. Every
         replica must pass the same shapes and dtypes (a ValueError naming them otherwise)."""
         return self.communicator.all_reduce_tensors(replica, reduce_op, tensors)
 
     def all_gather_tensors(
-        self, replica: context.ReplicaContext, tensors: Sequence[torch.Tensor], axis: int
+        self, replica: Participant, tensors: Sequence[torch.Tensor], axis: int
     ) -> list[torch.Tensor]:
         """Collective: each tensor concatenated along ``axis`` over the replicas, in replica
         order, on this replica's device (sizes along ``axis`` may differ)."""
