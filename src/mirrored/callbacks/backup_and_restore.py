@@ -54,7 +54,7 @@ class BackupAndRestore(SaveFrequencyHooks, Callback):
     # -- restore -----------------------------------------------------------------------------------
     def on_train_begin(self, logs: Logs | None = None) -> None:
         self._frequency.saved()
-        model = self._model()
+        model = self.fit_model()
         if model.strategy.should_checkpoint:  # what a write killed with the last run left
             checkpoint.remove_stale_temporaries(self.path)
         if self.path.exists():
@@ -69,7 +69,7 @@ class BackupAndRestore(SaveFrequencyHooks, Callback):
         any part fails to load."""
         backup = checkpoint.load(self.path)
         _check_backup(backup, repr(str(self.path)))
-        model = self._model()
+        model = self.fit_model()
         others = self._other_callbacks()
         before = [callback.state_dict() for callback in others]
         try:
@@ -79,9 +79,7 @@ class BackupAndRestore(SaveFrequencyHooks, Callback):
             for callback, state in zip(others, before, strict=True):
                 callback.load_state_dict(state)
             raise
-        model._resume_from(
-            backup["progress"], backup["rng"], backup["epoch_rng"], backup["metrics"]
-        )
+        model.resume_fit(backup["progress"], backup["rng"], backup["epoch_rng"], backup["metrics"])
 
     def _restore_callbacks(self, states: list[dict[str, Any]]) -> None:
         """Each callback gets the state saved by the callback of its class at the same rank
@@ -116,7 +114,7 @@ class BackupAndRestore(SaveFrequencyHooks, Callback):
         self._save(logs)
 
     def _save(self, logs: Logs | None) -> None:
-        model = self._model()
+        model = self.fit_model()
         if not _finite_loss(logs) or not checkpoint.all_finite(model.state_dict()):
             warnings.warn(
                 f"not backing up to {str(self.path)!r}: the loss "
@@ -130,7 +128,7 @@ class BackupAndRestore(SaveFrequencyHooks, Callback):
         training = model.training_state()  # on every worker: it may gather (zero_stage)
 
         def write() -> None:
-            progress, epoch_rng, metrics = model._fit_position()
+            progress, epoch_rng, metrics = model.fit_position()
             backup = {
                 "format": _FORMAT,
                 "training": training,
@@ -151,18 +149,13 @@ class BackupAndRestore(SaveFrequencyHooks, Callback):
         if (
             _finite_loss(logs)
             and self.delete_checkpoint
-            and self._model().strategy.should_checkpoint
+            and self.fit_model().strategy.should_checkpoint
         ):
             self.path.unlink(missing_ok=True)  # a run that ended on a NaN keeps its last backup
 
     # -- helpers -----------------------------------------------------------------------------------
-    def _model(self) -> Any:
-        if self.model is None:
-            raise RuntimeError("BackupAndRestore is used by model.fit(callbacks=[...]) only")
-        return self.model
-
     def _other_callbacks(self) -> list[Callback]:
-        return [c for c in self._model()._callbacks_in_fit() if c is not self]
+        return [c for c in self.fit_model().callbacks_in_fit() if c is not self]
 
 
 def _check_backup(backup: Any, source: str) -> None:

@@ -2,22 +2,58 @@
 
 ``fit``, ``evaluate`` and ``predict`` call the hooks of a ``CallbackList``; each hook is a no-op
 here, so a callback overrides only the ones it needs. ``self.model`` is the ``mirrored.Model``
-being trained and ``self.params`` holds ``epochs``, ``steps`` (per epoch, None when unknown) and
-``verbose``. Logs are dicts of floats: the running means of the epoch at batch ends, the epoch's
-results (``val_`` prefixed for validation) at epoch ends.
+being trained (what callbacks use of it: ``FitState``) and ``self.params`` holds ``epochs``,
+``steps`` (per epoch, None when unknown) and ``verbose``. Logs are dicts of floats: the running
+means of the epoch at batch ends, the epoch's results (``val_`` prefixed for validation) at
+epoch ends.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from mirrored.training.model import Model
+    from mirrored.core.strategy import Strategy
 
-__all__ = ["Callback", "CallbackList"]
+__all__ = ["Callback", "CallbackList", "FitState"]
 
 Logs = dict[str, Any]
+# Where a fit is: (epoch, batches done in it, batches consumed from an iterator), the random
+# state of the epoch's start, and the epoch's running metrics.
+FitPosition = tuple[dict[str, Any], dict[str, Any] | None, list[Any]]
+
+
+class FitState(Protocol):
+    """The model a callback is given (``self.model``), as the callbacks use it; a
+    ``mirrored.Model`` is one. Declared beside the callbacks, so that they depend on no part of
+    the training loop that calls them."""
+
+    strategy: Strategy
+    stop_training: bool
+
+    @property
+    def learning_rate(self) -> float: ...
+    @learning_rate.setter
+    def learning_rate(self, value: float) -> None: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+    def training_state(self) -> dict[str, Any]: ...
+    def load_training_state(self, state: dict[str, Any], source: str = ...) -> None: ...
+    def save(self, filepath: str | Path, allow_non_finite: bool = ...) -> None: ...
+    def save_weights(self, filepath: str | Path, allow_non_finite: bool = ...) -> None: ...
+
+    # For ``BackupAndRestore``, while fit runs.
+    def callbacks_in_fit(self) -> list[Callback]: ...
+    def fit_position(self) -> FitPosition: ...
+    def resume_fit(
+        self,
+        progress: dict[str, Any],
+        rng: dict[str, Any],
+        epoch_rng: dict[str, Any] | None,
+        metrics: list[Any],
+    ) -> None: ...
 
 
 class Callback:
@@ -25,11 +61,19 @@ class Callback:
     callback's progress (a patience counter, a best value) through ``BackupAndRestore``."""
 
     def __init__(self) -> None:
-        self.model: Model | None = None
+        self.model: FitState | None = None
         self.params: dict[str, Any] = {}
 
-    def set_model(self, model: Model) -> None:
+    def set_model(self, model: FitState) -> None:
         self.model = model
+
+    def fit_model(self) -> FitState:
+        """The model being fit; a RuntimeError for a callback used outside ``fit``."""
+        if self.model is None:
+            raise RuntimeError(
+                f"{type(self).__name__} has no model; pass it to model.fit(callbacks=[...])"
+            )
+        return self.model
 
     def set_params(self, params: dict[str, Any]) -> None:
         self.params = params
@@ -82,7 +126,7 @@ class CallbackList(Callback):
                     f"{type(callback).__name__} (wrap a function in LambdaCallback)"
                 )
 
-    def set_model(self, model: Model) -> None:
+    def set_model(self, model: FitState) -> None:
         super().set_model(model)
         for callback in self.callbacks:
             callback.set_model(model)

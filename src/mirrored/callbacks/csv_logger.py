@@ -15,12 +15,9 @@ import os
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any
 
 from mirrored.callbacks.callback import Callback, Logs
-
-if TYPE_CHECKING:
-    from mirrored.training.model import Model
 
 __all__ = ["CSVLogger"]
 
@@ -52,12 +49,12 @@ class CSVLogger(Callback):
         self._keys = None
         self._resume_lines = None
         self._lines = 0
-        if self.append and self._fit_model().strategy.should_checkpoint:
+        if self.append and self.fit_model().strategy.should_checkpoint:
             self._lines = len(self._read())
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
         logs = logs or {}
-        if not self._fit_model().strategy.should_checkpoint:
+        if not self.fit_model().strategy.should_checkpoint:
             return
         if self._file is None:
             self._open(logs)
@@ -140,11 +137,6 @@ class CSVLogger(Callback):
         if self._file is not None:
             self._file.close()
             self._file = None
-
-    def _fit_model(self) -> Model:
-        if self.model is None:
-            raise RuntimeError("CSVLogger has no model; pass it to model.fit(callbacks=[...])")
-        return self.model
 
     # -- resuming ----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -80,10 +80,10 @@ class EarlyStopping(MonitorCallback):
             return
         if self.wait >= self.patience and epoch > 0:
             self.stopped_epoch = epoch
-            self._fit_model().stop_training = True
+            self.fit_model().stop_training = True
 
     def on_train_end(self, logs: Logs | None = None) -> None:
-        model = self._fit_model()
+        model = self.fit_model()
         speaks = self.verbose > 0 and model.strategy.should_checkpoint
         if self.stopped_epoch > 0 and speaks:
             print(f"Epoch {self.stopped_epoch + 1}: early stopping", flush=True)
@@ -101,7 +101,7 @@ class EarlyStopping(MonitorCallback):
             name: value.detach().to("cpu", copy=True)
             if isinstance(value, torch.Tensor)
             else copy.deepcopy(value)
-            for name, value in self._fit_model().state_dict().items()
+            for name, value in self.fit_model().state_dict().items()
         }
 
     def state_dict(self) -> dict[str, Any]:

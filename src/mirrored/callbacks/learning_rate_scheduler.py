@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from mirrored.callbacks.callback import Callback, Logs
-
-if TYPE_CHECKING:
-    from mirrored.training.model import Model
 
 __all__ = ["LearningRateScheduler"]
 
@@ -47,7 +44,7 @@ class LearningRateScheduler(Callback):
     def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None:
         if epoch == self._scheduled_epoch:
             return  # resumed mid-epoch: the restored optimizer already has this epoch's rate
-        model = self._fit_model()
+        model = self.fit_model()
         if self._takes_lr:
             learning_rate = self.schedule(epoch, model.learning_rate)
         else:
@@ -69,14 +66,7 @@ class LearningRateScheduler(Callback):
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
         if logs is not None:
-            logs["learning_rate"] = self._fit_model().learning_rate
-
-    def _fit_model(self) -> Model:
-        if self.model is None:
-            raise RuntimeError(
-                "LearningRateScheduler has no model; pass it to model.fit(callbacks=[...])"
-            )
-        return self.model
+            logs["learning_rate"] = self.fit_model().learning_rate
 
     def state_dict(self) -> dict[str, Any]:
         return {"scheduled_epoch": self._scheduled_epoch}

@@ -77,7 +77,7 @@ class ModelCheckpoint(SaveFrequencyHooks, MonitorCallback):
 
     # -- saving ------------------------------------------------------------------------------------
     def _save(self, epoch: int, batch: int | None, logs: Logs) -> None:
-        model = self._fit_model()
+        model = self.fit_model()
         path = self._format_path(epoch, batch, logs)
         speaks = self.verbose > 0 and model.strategy.should_checkpoint
         loss = logs.get("loss")

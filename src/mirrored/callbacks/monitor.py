@@ -10,12 +10,9 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from mirrored.callbacks.callback import Callback, Logs
-
-if TYPE_CHECKING:
-    from mirrored.training.model import Model
 
 __all__ = ["MonitorCallback"]
 
@@ -88,13 +85,6 @@ class MonitorCallback(Callback):
             )
             return None
         return float(value)
-
-    def _fit_model(self) -> Model:
-        if self.model is None:
-            raise RuntimeError(
-                f"{type(self).__name__} has no model; pass it to model.fit(callbacks=[...])"
-            )
-        return self.model
 
 
 def _is_number(value: Any) -> bool:

@@ -16,14 +16,11 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from mirrored.callbacks.callback import Callback, Logs
-
-if TYPE_CHECKING:
-    from mirrored.training.model import Model
 
 __all__ = ["TensorBoard"]
 
@@ -98,7 +95,7 @@ class TensorBoard(Callback):
     def _writer(self, run: str) -> Any:
         """The writer of ``log_dir/run``, opened on first use; None where this process does not
         write summaries."""
-        if not self._fit_model().strategy.should_checkpoint:
+        if not self.fit_model().strategy.should_checkpoint:
             return None
         if run not in self._writers:
             self._writers[run] = self._writer_class(log_dir=str(self.log_dir / run))
@@ -108,11 +105,6 @@ class TensorBoard(Callback):
         for writer in self._writers.values():
             writer.close()
         self._writers = {}
-
-    def _fit_model(self) -> Model:
-        if self.model is None:
-            raise RuntimeError("TensorBoard has no model; pass it to model.fit(callbacks=[...])")
-        return self.model
 
     # -- hooks -------------------------------------------------------------------------------------
     def on_train_begin(self, logs: Logs | None = None) -> None:
@@ -175,7 +167,7 @@ class TensorBoard(Callback):
                 writer.add_scalar(f"evaluation_{name}_vs_iterations", value, self._global_step)
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
-        model = self._fit_model()
+        model = self.fit_model()
         logs = logs or {}
         train = {k: v for k, v in logs.items() if not k.startswith("val_") and k not in _HIDDEN}
         validation = {k[len("val_") :]: v for k, v in logs.items() if k.startswith("val_")}

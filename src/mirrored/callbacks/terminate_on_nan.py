@@ -34,6 +34,4 @@ class TerminateOnNaN(Callback):
                 "TerminateOnNaN(raise_error=False) to stop without an error"
             )
         print(f"Batch {batch}: Invalid loss, terminating training", flush=True)
-        if self.model is None:
-            raise RuntimeError("TerminateOnNaN has no model; pass it to model.fit(callbacks=[...])")
-        self.model.stop_training = True
+        self.fit_model().stop_training = True

@@ -346,16 +346,16 @@ class Model:
             self._set_training(False)
 
     # -- for BackupAndRestore ----------------------------------------------------------------------
-    def _callbacks_in_fit(self) -> list[Callback]:
+    def callbacks_in_fit(self) -> list[Callback]:
         return [] if self._run is None else list(self._run.callbacks.callbacks)
 
-    def _fit_position(self) -> tuple[dict[str, Any], dict[str, Any] | None, list[Any]]:
+    def fit_position(self) -> tuple[dict[str, Any], dict[str, Any] | None, list[Any]]:
         """Where fit is (epoch, batches done in it, batches consumed from a one-shot iterator),
         the random state of the epoch's start, and the epoch's running metrics."""
         run = self._fit_run()
         return dict(run.position), run.epoch_rng, run.steps.metrics.state_dict()
 
-    def _resume_from(
+    def resume_fit(
         self,
         progress: dict[str, Any],
         rng: dict[str, Any],
