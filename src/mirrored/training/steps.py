@@ -346,7 +346,8 @@ class Steps:
         first_iteration: int,
         loss_scale: LossScale,
     ) -> tuple[torch.Tensor, LossScale]:
-        """Train on ``batches`` (this replica's shards), one update each."""
+        """Train on ``batches`` (this replica's shards), one update each: forward and loss,
+        backward, the update; returns the metrics' partial sums and the float16 loss scale."""
         replica = get_replica_context()
         first_replica = replica is None or replica.local_replica_id == 0
         total: torch.Tensor | None = None
@@ -355,35 +356,45 @@ class Steps:
         ):
             x, targets, y_pred = self._outputs(batch)
             shard_loss = self._shard_loss(x, targets, y_pred)
-            loss = shard_loss.scaled(global_batch_size)
-            if self.precision == "16-mixed":
-                (loss * loss_scale.scale).backward()
-            else:
-                loss.backward()
-            # With gradient accumulation most steps only add to the gradients: schedules count
-            # updates, and float16's loss scale is checked and moved at updates only.
-            updates = getattr(self.optimizer, "step_updates", True)
-            if first_replica and self.schedule is not None:
-                learning_rate = self.scheduled_learning_rate(first_iteration + offset)
-                for group in self.optimizer.param_groups:
-                    group["lr"] = learning_rate
-            skipped = False
-            if updates and self.precision == "16-mixed":
-                skipped = self._unscale_gradients(loss_scale.scale)
-                loss_scale = loss_scale.after_step(skipped)
-            if skipped:
-                discard = getattr(self.optimizer, "discard_gradients", self.optimizer.zero_grad)
-                discard()
-            else:
-                self.optimizer.step()
-            self.optimizer.zero_grad()
-            if updates and not skipped and first_replica and self.lr_scheduler is not None:
-                self.lr_scheduler.step()
+            self._backward(shard_loss.scaled(global_batch_size), loss_scale)
+            loss_scale = self._update(first_iteration + offset, loss_scale, first_replica)
             with torch.no_grad():
                 state = self._batch_state(shard_loss, targets, y_pred)
             total = state if total is None else total + state
         assert total is not None
         return total, loss_scale
+
+    def _backward(self, loss: torch.Tensor, loss_scale: LossScale) -> None:
+        """Backward of this replica's part of the global batch's loss (scaled up under
+        float16); the replicas' gradients are summed as it runs."""
+        if self.precision == "16-mixed":
+            loss = loss * loss_scale.scale
+        loss.backward()
+
+    def _update(self, iteration: int, loss_scale: LossScale, first_replica: bool) -> LossScale:
+        """The optimizer's step for batch ``iteration`` at its scheduled learning rate (under
+        float16 skipped when a gradient overflowed on any replica), gradients cleared, the LR
+        scheduler stepped; returns the loss scale for the next batch. With gradient
+        accumulation most steps only add to the gradients: schedules count updates, and
+        float16's loss scale is checked and moved at updates only."""
+        updates = getattr(self.optimizer, "step_updates", True)
+        if first_replica and self.schedule is not None:
+            learning_rate = self.scheduled_learning_rate(iteration)
+            for group in self.optimizer.param_groups:
+                group["lr"] = learning_rate
+        skipped = False
+        if updates and self.precision == "16-mixed":
+            skipped = self._unscale_gradients(loss_scale.scale)
+            loss_scale = loss_scale.after_step(skipped)
+        if skipped:
+            discard = getattr(self.optimizer, "discard_gradients", self.optimizer.zero_grad)
+            discard()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad()
+        if updates and not skipped and first_replica and self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        return loss_scale
 
     def _unscale_gradients(self, scale: float) -> bool:
         """Divide this replica's gradients by ``scale``; True when any replica's overflowed."""
