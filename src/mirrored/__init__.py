@@ -40,14 +40,14 @@ from mirrored.input.load_balancing import LoadBalancing
 from mirrored.pipeline.split import balance_by_time
 from mirrored.random.activation_checkpoint import activation_checkpoint_contexts
 from mirrored.replication.buffer_sync import BufferAggregationWarning, set_buffer_aggregation
-from mirrored.replication.local_sgd import LocalSGD
-from mirrored.replication.loss_scaling import (
+from mirrored.replication.global_batch_loss import (
     LossScalingWarning,
     compute_average_loss,
     compute_weighted_average_loss,
     scale_regularization_loss,
     scale_shard_mean,
 )
+from mirrored.replication.local_sgd import LocalSGD
 from mirrored.replication.mirrored_module import MirroredModule
 from mirrored.replication.mirrored_optimizer import MirroredOptimizer
 from mirrored.replication.outside_edits import ReplicasDifferError

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 import mirrored
 from mirrored.replication.accumulation import AccumulationWindow
+from mirrored.training.float16_loss_scale import LossScale
 from tests.exactness import assert_close_float64
 from tests.reference_loops import (
     CROSS_DEVICE_OPS,
@@ -222,7 +223,7 @@ def test_a_float16_overflow_at_a_window_s_end_skips_its_update_and_drops_it() ->
                 loss=mirrored.losses.SparseCategoricalCrossentropy(from_logits=True),
                 precision="16-mixed",
             )
-        model._progress.loss_scale = mirrored.training.loss_scale.LossScale(scale=1e38)  # overflows
+        model._progress.loss_scale = LossScale(scale=1e38)  # overflows
         before = {k: v.clone() for k, v in model.state_dict().items()}
         model.fit(x[:32], y[:32], batch_size=16, shuffle=False, verbose=0)  # one window
         for name, value in model.state_dict().items():
@@ -231,6 +232,6 @@ def test_a_float16_overflow_at_a_window_s_end_skips_its_update_and_drops_it() ->
         assert not model._optimizer.step_updates  # a new window begins
         for replica in model._replicas.replicas:
             assert all(p.grad is None for p in replica.parameters())
-        model._progress.loss_scale = mirrored.training.loss_scale.LossScale()  # finite from here on
+        model._progress.loss_scale = LossScale()  # finite from here on
         model.fit(x[32:], y[32:], batch_size=16, shuffle=False, verbose=0)
         assert any(not torch.equal(v, before[k]) for k, v in model.state_dict().items())

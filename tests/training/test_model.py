@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import mirrored
 from mirrored import checkpoint
+from mirrored.training.float16_loss_scale import LossScale
 from tests.reference_loops import assert_replicas_identical, assert_same_parameters, make_mlp
 
 pytestmark = pytest.mark.usefixtures("float64")  # exactness in float64: tests/exactness.py
@@ -322,7 +323,7 @@ def test_float16_overflow_skips_the_update_on_every_replica() -> None:
     x, y, _ = data()
     with strategy_for(2) as strategy:
         model = compiled(strategy, make_mlp(FEATURES, CLASSES), precision="16-mixed")
-        model._progress.loss_scale = mirrored.training.loss_scale.LossScale(scale=1e38)  # overflows
+        model._progress.loss_scale = LossScale(scale=1e38)  # overflows
         before = copy.deepcopy(model.state_dict())
         model.fit(x[:BATCH], y[:BATCH], batch_size=BATCH, verbose=0)
         for name, value in model.state_dict().items():

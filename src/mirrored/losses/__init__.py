@@ -1,8 +1,8 @@
 """``mirrored.losses``: Keras-named losses on PyTorch tensors, and the loss scaling helpers.
 
-The scaling helpers (:mod:`mirrored.replication.loss_scaling`) divide each replica's loss by the
-*global* batch size, not its shard's, so that summing the replicas' gradients gives exactly the
-gradient of the mean loss over the global batch, whatever the split.
+The scaling helpers (:mod:`mirrored.replication.global_batch_loss`) divide each replica's loss
+by the *global* batch size, not its shard's, so that summing the replicas' gradients gives exactly
+the gradient of the mean loss over the global batch, whatever the split.
 
 The loss objects (:mod:`mirrored.losses.classes`: ``SparseCategoricalCrossentropy`` and friends)
 compute what Keras's do, on PyTorch tensors. Their ``call`` gives one loss per element,
@@ -38,7 +38,7 @@ from mirrored.losses.functions import (
     sparse_categorical_crossentropy,
 )
 from mirrored.losses.shapes import broadcast_weight
-from mirrored.replication.loss_scaling import (
+from mirrored.replication.global_batch_loss import (
     compute_average_loss,
     compute_weighted_average_loss,
     scale_regularization_loss,

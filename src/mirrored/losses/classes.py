@@ -134,7 +134,7 @@ class Loss:
             divisor = torch.where(counted == 0, torch.ones_like(counted), counted)
         elif mask is None:
             # Written as a mean, so that a replica's loss.backward() sees a mean over its shard
-            # and refuses it (mirrored.replication.loss_scaling).
+            # and refuses it (mirrored.replication.global_batch_loss).
             return values.mean()
         else:
             divisor = mask.sum().clamp(min=1)  # the elements that count

@@ -20,8 +20,8 @@ from mirrored.comm.cross_device_ops import CrossDeviceOps
 from mirrored.config import LogicalDevice
 from mirrored.core import context
 from mirrored.replication.accumulation import AccumulationWindow, check_accumulation_steps
+from mirrored.replication.global_batch_loss import check_loss_scaling
 from mirrored.replication.local_sgd import LocalSGD, LocalSteps
-from mirrored.replication.loss_scaling import check_loss_scaling
 from mirrored.replication.mirror_features import MirrorFeatures
 from mirrored.replication.zero_redundancy import ZeroRedundancy, check_zero_stage
 from mirrored.strategies.in_process import InProcessStrategy
@@ -170,7 +170,7 @@ class ReplicatedStrategy(InProcessStrategy, MirrorFeatures):
 def observe_backward(roots: tuple[torch.Tensor, ...]) -> None:
     """As a replica starts a backward pass from ``roots``: count it (a mirrored optimizer checks
     at its step that every replica ran one), and refuse a loss averaged over the replica's shard
-    (:mod:`mirrored.replication.loss_scaling`)."""
+    (:mod:`mirrored.replication.global_batch_loss`)."""
     replica = context.current_replica_context()
     if replica is not None:
         check_loss_scaling(roots, replica)

@@ -40,9 +40,9 @@ from mirrored.input import InputContext
 from mirrored.strategies.default import default_strategy
 from mirrored.strategies.parameter_server import ParameterServerStrategy
 from mirrored.training.data_adapter import DataAdapter, _is_array_structure, unpack_batch
+from mirrored.training.float16_loss_scale import LossScale
 from mirrored.training.lazy_build import has_lazy_parameters
 from mirrored.training.loop import FitRequest, FitRun
-from mirrored.training.loss_scale import LossScale
 from mirrored.training.saved_state import ModelParts
 from mirrored.training.steps import Steps
 

@@ -24,7 +24,7 @@ from mirrored.core.state_checks import (
     check_scheduler_state,
 )
 from mirrored.parameter_server import checkpoint as parameter_server_checkpoint
-from mirrored.training.loss_scale import LossScale
+from mirrored.training.float16_loss_scale import LossScale
 from mirrored.training.steps import Steps
 
 __all__ = [

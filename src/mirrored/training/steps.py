@@ -33,7 +33,7 @@ from mirrored.core.context import get_replica_context
 from mirrored.core.values import ReduceOp, flatten, map_structure
 from mirrored.input import InputOptions, batch_size_of
 from mirrored.losses import broadcast_weight, compute_average_loss, scale_shard_mean
-from mirrored.training.loss_scale import LossScale
+from mirrored.training.float16_loss_scale import LossScale
 from mirrored.training.metric_set import MetricSet
 
 __all__ = [

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mirrored.training.loss_scale import LossScale
+from mirrored.training.float16_loss_scale import LossScale
 
 
 def test_overflow_halves_and_resets_the_count() -> None:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mirrored
-from mirrored.replication import loss_scaling
+from mirrored.replication import global_batch_loss
 from tests.reference_loops import (
     assert_replicas_identical,
     assert_same_parameters,
@@ -27,7 +27,7 @@ VOCAB, LENGTH, IGNORE = 11, 6, -100
 @pytest.fixture(autouse=True)
 def warn_again(monkeypatch):
     """The unscaled-loss warning comes once a process: let every test see its own."""
-    monkeypatch.setattr(loss_scaling, "_warned", False)
+    monkeypatch.setattr(global_batch_loss, "_warned", False)
 
 
 class TinyMaskedLM(nn.Module):
