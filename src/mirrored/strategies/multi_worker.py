@@ -50,7 +50,7 @@ from mirrored.replication.local_sgd import LocalSGD, LocalSteps
 from mirrored.replication.mirrored_module import MirroredModule, tensors_of
 from mirrored.replication.mirrored_optimizer import MirroredOptimizer
 from mirrored.strategies.mirrored import MirroredStrategy, default_devices
-from mirrored.strategies.step_agreement import StepAgreement
+from mirrored.strategies.step_agreement import WorkerStepAgreement
 
 __all__ = ["CommunicationImplementation", "CommunicationOptions", "MultiWorkerMirroredStrategy"]
 
@@ -250,7 +250,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         that they read alike stay on the training's thread).
         """
         refuse_distributed_sampler(dataset)
-        agreement = StepAgreement(self._group, wait_for_global_size=False)
+        agreement = WorkerStepAgreement(self._group, wait_for_global_size=False)
         if shardable_loader(dataset):
             return distribute_loader_parts(
                 dataset,  # type: ignore[arg-type]
@@ -280,7 +280,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         return distribute_replica_batches(
             [dataset_fn(input_context)],
             self._input_devices,
-            StepAgreement(self._group, wait_for_global_size=True),
+            WorkerStepAgreement(self._group, wait_for_global_size=True),
         )
 
     # -- models -----------------------------------------------------------------------------------

@@ -13,13 +13,14 @@ import torch
 
 from mirrored.comm.worker_group import PendingCollective, WorkerGroup
 
-__all__ = ["StepAgreement"]
+__all__ = ["WorkerStepAgreement"]
 
 
-class StepAgreement:
-    """Checks that every worker's input yields the same global batches: the same number of
-    steps, and the same examples in each iteration's first batch (workers seeded differently
-    would shuffle differently, and examples would be dropped or seen twice without an error).
+class WorkerStepAgreement:
+    """The ``StepAgreement`` (:mod:`mirrored.input`) of a multi-worker strategy's input: checks
+    that every worker's input yields the same global batches: the same number of steps, and the
+    same examples in each iteration's first batch (workers seeded differently would shuffle
+    differently, and examples would be dropped or seen twice without an error).
 
     A dataset of known length (a list, a DataLoader over a map-style dataset) is checked once
     per iteration: the workers compare lengths. Otherwise, for a global dataset (every worker
