@@ -327,10 +327,10 @@ class OverlappedGradientReducer:
         exchange = replica.exchange
         one_process = self._communicator.workers is None
         if one_process:
-            # The strategy's cross-device op sums each bucket over the replicas, in place in
-            # every replica's copy (HierarchicalCopyAllReduce: each replica a slice, at once).
+            # Each bucket summed over the replicas, in place in every replica's copy (with
+            # HierarchicalCopyAllReduce each replica sums a slice, at once).
             for buffer in self._buffers[r]:
-                self._communicator.cross_device_ops.all_reduce(exchange, buffer)
+                self._communicator.all_reduce_buffer(exchange, buffer)
         else:
             self._wait_across_workers(r, exchange)
         for b, bucket in enumerate(self.plan.buckets):
