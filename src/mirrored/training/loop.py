@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 from torch import nn
@@ -25,7 +24,14 @@ from mirrored.training.data_adapter import DataAdapter
 from mirrored.training.saved_state import ModelParts, TrainingProgress
 from mirrored.training.steps import Steps
 
-__all__ = ["FitRequest", "FitRun", "LocalBatches", "TrainingLoop", "callback_list_for"]
+__all__ = [
+    "FitEpochs",
+    "FitRequest",
+    "FitRun",
+    "LocalBatches",
+    "TrainingLoop",
+    "callback_list_for",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +108,24 @@ class FitRun:
         self.callbacks.on_epoch_end(epoch, logs)
 
 
+class FitEpochs(Protocol):
+    """One fit's epochs on one kind of strategy, prepared from its request (data checked);
+    :func:`mirrored.training.trainer.fit` runs them."""
+
+    steps_per_epoch: int | None  # None when the data's length is unknown
+
+    def first_epoch(self, run: FitRun) -> int:
+        """The epoch to start at, once ``on_train_begin`` ran (a restored backup's, else the
+        request's ``initial_epoch``)."""
+
+    def train_epoch(self, run: FitRun, epoch: int) -> dict[str, Any] | None:
+        """Run one epoch's steps with their batch callbacks; its logs, or None when the input
+        ran out before the epoch began (no epoch to report)."""
+
+    def finish(self, run: FitRun) -> None:
+        """After the last epoch, before ``on_train_end``."""
+
+
 class TrainingLoop(Protocol):
     """What a kind of strategy does for ``Model``; one is chosen per model, from its strategy."""
 
@@ -116,10 +140,8 @@ class TrainingLoop(Protocol):
     def pull(self, replicas: Any) -> None:
         """Bring the trained parameters into the model's copy here, where they live elsewhere."""
 
-    def fit(
-        self, request: FitRequest, start: Callable[[int | None], AbstractContextManager[FitRun]]
-    ) -> None:
-        """Train; ``start(steps_per_epoch)`` opens the run, the model marked as fitting."""
+    def fit_epochs(self, request: FitRequest) -> FitEpochs:
+        """Check fit's data and prepare its epochs (nothing runs yet)."""
 
     def save(self, parts: ModelParts, filepath: str | os.PathLike[str]) -> None:
         """Write the whole training state where the strategy writes checkpoints."""

@@ -30,7 +30,7 @@ from mirrored.callbacks.history import History
 from mirrored.core import context
 from mirrored.input import InputOptions
 from mirrored.replication.mirror import MirroredModule, check_optimizer_params
-from mirrored.training import arguments, evaluation, lazy_build, saved_state
+from mirrored.training import arguments, evaluation, lazy_build, saved_state, trainer
 from mirrored.training.data_adapter import DataAdapter
 from mirrored.training.layers import Layer, find_layer, layer_table
 from mirrored.training.loop import FitRequest, FitRun, LocalBatches, TrainingLoop, callback_list_for
@@ -318,7 +318,8 @@ class Model:
             validation=arguments.validation_adapter(validation_data, batch_size, batch_dim),
             validate_at=arguments.validation_schedule(validation_freq),
         )
-        self._loop.fit(request, lambda steps: self._fitting(request, steps))
+        prepared = self._loop.fit_epochs(request)
+        trainer.fit(prepared, epochs, lambda steps: self._fitting(request, steps))
         return self.history
 
     @contextlib.contextmanager

@@ -26,8 +26,7 @@ import collections
 import dataclasses
 import functools
 import os
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import AbstractContextManager
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -46,7 +45,7 @@ from mirrored.training.loop import FitRequest, FitRun
 from mirrored.training.saved_state import ModelParts
 from mirrored.training.steps import Steps
 
-__all__ = ["ParameterServerLoop", "check_fit", "train_step"]
+__all__ = ["ParameterServerEpochs", "ParameterServerLoop", "check_fit", "train_step"]
 
 
 class ParameterServerLoop:
@@ -80,9 +79,7 @@ class ParameterServerLoop:
             replicas.pull()
 
     # -- fit ---------------------------------------------------------------------------------------
-    def fit(
-        self, request: FitRequest, start: Callable[[int | None], AbstractContextManager[FitRun]]
-    ) -> None:
+    def fit_epochs(self, request: FitRequest) -> ParameterServerEpochs:
         steps_per_epoch = check_fit(request)
         dataset = self.coordinator.create_per_worker_dataset(
             functools.partial(
@@ -94,36 +91,7 @@ class ParameterServerLoop:
                 request.shuffle,
             )
         )
-        iterator = iter(dataset)
-        with start(steps_per_epoch) as run:
-            on_worker = dataclasses.replace(run.steps, schedule=None, lr_scheduler=None)
-            run.callbacks.on_train_begin()
-            epoch_logs: dict[str, Any] = {}
-            for epoch in range(request.initial_epoch, request.epochs):
-                run.begin_epoch(epoch)
-                self._train_epoch(run, on_worker, iterator, steps_per_epoch)
-                epoch_logs = run.logs()
-                run.end_epoch(epoch, epoch_logs)
-                if run.stop_training:
-                    break
-            self.pull(run.steps.module)  # the module here ends with the trained parameters
-            run.callbacks.on_train_end(epoch_logs)
-
-    def _train_epoch(
-        self, run: FitRun, on_worker: Steps, iterator: Any, steps_per_epoch: int
-    ) -> None:
-        """Schedule an epoch's steps, reporting each as it comes back; then wait for all."""
-        results: collections.deque[tuple[int, RemoteValue]] = collections.deque()
-        for step in range(steps_per_epoch):
-            run.callbacks.on_train_batch_begin(step)
-            hyperparameters = _hyperparameters_of_next_step(run)
-            value = self.coordinator.schedule(train_step, (on_worker, iterator, hyperparameters))
-            results.append((step, value))
-            _report(run, results, wait=False)
-            if run.stop_training:
-                break
-        self.coordinator.join()
-        _report(run, results, wait=True)
+        return ParameterServerEpochs(self, iter(dataset), steps_per_epoch, request.initial_epoch)
 
     # -- saving ------------------------------------------------------------------------------------
     def save(self, parts: ModelParts, filepath: str | os.PathLike[str]) -> None:
@@ -146,6 +114,48 @@ class ParameterServerLoop:
     def load_weights(self, replicas: Any, module: nn.Module, weights: Any, source: str) -> None:
         self.coordinator.load_weights(replicas, weights)
         self.pull(replicas)
+
+
+class ParameterServerEpochs:
+    """A fit's epochs on the workers: each step a function the coordinator schedules, on the
+    next batch of the worker's own dataset; the model here pulls the trained parameters at
+    the end."""
+
+    def __init__(
+        self, loop: ParameterServerLoop, iterator: Any, steps_per_epoch: int, initial_epoch: int
+    ) -> None:
+        self._loop = loop
+        self._iterator = iterator
+        self.steps_per_epoch: int | None = steps_per_epoch
+        self._steps = steps_per_epoch
+        self._initial_epoch = initial_epoch
+        self._on_worker: Steps | None = None
+
+    def first_epoch(self, run: FitRun) -> int:
+        # The workers step without schedules: the coordinator fixes each step's learning rate.
+        self._on_worker = dataclasses.replace(run.steps, schedule=None, lr_scheduler=None)
+        return self._initial_epoch
+
+    def train_epoch(self, run: FitRun, epoch: int) -> dict[str, Any]:
+        """Schedule an epoch's steps, reporting each as it comes back; then wait for all."""
+        coordinator = self._loop.coordinator
+        results: collections.deque[tuple[int, RemoteValue]] = collections.deque()
+        for step in range(self._steps):
+            run.callbacks.on_train_batch_begin(step)
+            hyperparameters = _hyperparameters_of_next_step(run)
+            value = coordinator.schedule(
+                train_step, (self._on_worker, self._iterator, hyperparameters)
+            )
+            results.append((step, value))
+            _report(run, results, wait=False)
+            if run.stop_training:
+                break
+        coordinator.join()
+        _report(run, results, wait=True)
+        return run.logs()
+
+    def finish(self, run: FitRun) -> None:
+        self._loop.pull(run.steps.module)  # the module here ends with the trained parameters
 
 
 def check_fit(request: FitRequest) -> int:

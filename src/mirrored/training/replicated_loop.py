@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from typing import Any
 
 from torch import nn
@@ -27,7 +26,7 @@ from mirrored.training.evaluation import batch_logs, merge
 from mirrored.training.loop import FitRequest, FitRun
 from mirrored.training.saved_state import ModelParts
 
-__all__ = ["ReplicatedLoop"]
+__all__ = ["ReplicatedEpochs", "ReplicatedLoop"]
 
 
 class ReplicatedLoop:
@@ -47,9 +46,7 @@ class ReplicatedLoop:
         """Nothing to pull: the replicas here hold the trained parameters."""
 
     # -- fit ---------------------------------------------------------------------------------------
-    def fit(
-        self, request: FitRequest, start: Callable[[int | None], AbstractContextManager[FitRun]]
-    ) -> None:
+    def fit_epochs(self, request: FitRequest) -> ReplicatedEpochs:
         data = DataAdapter(
             request.x,
             request.y,
@@ -60,34 +57,55 @@ class ReplicatedLoop:
             "fit",
             request.batch_dim,
         )
-        with start(data.steps_per_epoch) as run:
-            run.callbacks.on_train_begin()
-            first_epoch = request.initial_epoch
-            resume, run.resume = run.resume, None
-            if resume is not None:
-                first_epoch = resume["progress"]["epoch"]
-                data.skip_consumed(resume["progress"]["consumed"])
-                if resume["progress"]["step"] == 0:  # backed up at an epoch's end
-                    rng_state.restore(resume["rng"])
-            epoch_logs: dict[str, Any] = {}
-            for epoch in range(first_epoch, request.epochs):
-                run.begin_epoch(epoch)
-                trained = self._train_epoch(run, epoch, data, resume)
-                resume = None
-                if trained is None:  # a one-shot iterator ran out: no epoch to report
-                    break
-                epoch_logs = trained
-                run.position = {"epoch": epoch + 1, "step": 0, "consumed": data.consumed}
-                run.epoch_rng = None
-                run.end_epoch(epoch, epoch_logs)
-                if run.stop_training:
-                    break
-            run.callbacks.on_train_end(epoch_logs)
+        return ReplicatedEpochs(self.strategy, data, request.initial_epoch)
 
-    def _train_epoch(
-        self, run: FitRun, epoch: int, data: DataAdapter, resume: dict[str, Any] | None
-    ) -> dict[str, Any] | None:
+    # -- saving ------------------------------------------------------------------------------------
+    def save(self, parts: ModelParts, filepath: str | os.PathLike[str]) -> None:
+        # Every worker gathers the state (the optimizer's may be sharded: zero_stage); the chief
+        # writes it.
+        state = {"format": saved_state.MODEL_FORMAT, **saved_state.training_state(parts)}
+        self.strategy.save_on_chief(lambda: checkpoint.save(state, filepath))
+
+    def load(self, parts: ModelParts, filepath: str | os.PathLike[str]) -> None:
+        saved = checkpoint.load(filepath)
+        if not isinstance(saved, dict) or saved.get("format") != saved_state.MODEL_FORMAT:
+            raise ValueError(
+                f"{str(filepath)!r} was not written by Model.save(); for weights only use "
+                "load_weights()"
+            )
+        saved_state.load_training_state(parts, saved, repr(str(filepath)))
+        self.strategy.check_same_on_workers(parts.module.state_dict(), f"{str(filepath)!r}")
+
+    def load_weights(self, replicas: Any, module: nn.Module, weights: Any, source: str) -> None:
+        checkpoint.load_module_state(replicas, weights, source)
+        self.strategy.check_same_on_workers(module.state_dict(), source)
+
+
+class ReplicatedEpochs:
+    """A fit's epochs on the replicas here: each execution of batches through ``strategy.run``;
+    fit keeps its place (epoch, batch, random state) for ``BackupAndRestore``, which can put a
+    restarted fit back there, mid-epoch included."""
+
+    def __init__(self, strategy: Any, data: DataAdapter, initial_epoch: int) -> None:
+        self.strategy = strategy
+        self.data = data
+        self.steps_per_epoch = data.steps_per_epoch
+        self._initial_epoch = initial_epoch
+        self._resume: dict[str, Any] | None = None  # a restored backup, until its epoch runs
+
+    def first_epoch(self, run: FitRun) -> int:
+        self._resume, run.resume = run.resume, None
+        if self._resume is None:
+            return self._initial_epoch
+        progress = self._resume["progress"]
+        self.data.skip_consumed(progress["consumed"])
+        if progress["step"] == 0:  # backed up at an epoch's end
+            rng_state.restore(self._resume["rng"])
+        return int(progress["epoch"])
+
+    def train_epoch(self, run: FitRun, epoch: int) -> dict[str, Any] | None:
         """One epoch of training: its logs, or None when a one-shot iterator had run out."""
+        data, resume, self._resume = self.data, self._resume, None
         steps, progress = run.steps, run.progress
         step, on_ready = _epoch_start(run, resume)
         run.position = {"epoch": epoch, "step": step, "consumed": data.consumed}
@@ -118,28 +136,12 @@ class ReplicatedLoop:
                 )
                 return None
             raise ValueError("fit(): the training data yielded no batches")
+        run.position = {"epoch": epoch + 1, "step": 0, "consumed": data.consumed}
+        run.epoch_rng = None
         return run.logs()
 
-    # -- saving ------------------------------------------------------------------------------------
-    def save(self, parts: ModelParts, filepath: str | os.PathLike[str]) -> None:
-        # Every worker gathers the state (the optimizer's may be sharded: zero_stage); the chief
-        # writes it.
-        state = {"format": saved_state.MODEL_FORMAT, **saved_state.training_state(parts)}
-        self.strategy.save_on_chief(lambda: checkpoint.save(state, filepath))
-
-    def load(self, parts: ModelParts, filepath: str | os.PathLike[str]) -> None:
-        saved = checkpoint.load(filepath)
-        if not isinstance(saved, dict) or saved.get("format") != saved_state.MODEL_FORMAT:
-            raise ValueError(
-                f"{str(filepath)!r} was not written by Model.save(); for weights only use "
-                "load_weights()"
-            )
-        saved_state.load_training_state(parts, saved, repr(str(filepath)))
-        self.strategy.check_same_on_workers(parts.module.state_dict(), f"{str(filepath)!r}")
-
-    def load_weights(self, replicas: Any, module: nn.Module, weights: Any, source: str) -> None:
-        checkpoint.load_module_state(replicas, weights, source)
-        self.strategy.check_same_on_workers(module.state_dict(), source)
+    def finish(self, run: FitRun) -> None:
+        """Nothing to bring back: the replicas here hold the trained parameters."""
 
 
 def _epoch_start(

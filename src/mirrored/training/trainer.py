@@ -1,0 +1,42 @@
+"""``fit``'s one story, the same on every strategy: the epoch loop and the callbacks around it.
+
+A fit opens its run (the model marked as fitting, the callbacks in their order), calls
+``on_train_begin`` (where ``BackupAndRestore`` may set where to resume), then runs epoch after
+epoch: ``on_epoch_begin``, the epoch's steps, validation and ``on_epoch_end``, until the last
+epoch, ``stop_training``, or input that ran out; then ``on_train_end``. What differs between
+kinds of strategy is only how an epoch's steps run and where its data comes from: the
+``FitEpochs`` a model's ``TrainingLoop`` hands over (``strategy.run`` on the replicas here, or
+steps a ``ClusterCoordinator`` schedules on parameter-server workers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+from mirrored.training.loop import FitEpochs, FitRun
+
+__all__ = ["fit"]
+
+
+def fit(
+    epochs: FitEpochs,
+    last_epoch: int,
+    start: Callable[[int | None], AbstractContextManager[FitRun]],
+) -> None:
+    """Train ``epochs`` up to ``last_epoch`` (exclusive) in the run ``start`` opens."""
+    with start(epochs.steps_per_epoch) as run:
+        run.callbacks.on_train_begin()
+        epoch_logs: dict[str, Any] = {}
+        for epoch in range(epochs.first_epoch(run), last_epoch):
+            run.begin_epoch(epoch)
+            trained = epochs.train_epoch(run, epoch)
+            if trained is None:
+                break
+            epoch_logs = trained
+            run.end_epoch(epoch, epoch_logs)
+            if run.stop_training:
+                break
+        epochs.finish(run)
+        run.callbacks.on_train_end(epoch_logs)
