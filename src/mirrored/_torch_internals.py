@@ -318,8 +318,7 @@ def default_store() -> Any:
     )()
 
 
-# -- torch.utils.checkpoint and torch.nn.utils.clip_grad (mirrored.random.torch_compat)
-# ---------------
+# -- torch.utils.checkpoint and torch.nn.utils.clip_grad (mirrored.torch_patches) --------------
 
 
 def _parameters(function: Any) -> list[str]:
@@ -369,15 +368,15 @@ def replace_checkpoint_implementations(
     module: Any,
     reentrant: Callable[[type], type],
     non_reentrant: Callable[[Callable[..., Any]], Callable[..., Any]],
+    replace: Callable[[Any, str, Any], None],
 ) -> None:
-    """Replace the two implementations ``checkpoint()`` of a recognised checkpoint ``module``
-    (:func:`unrecognised_checkpoint` is None) calls: ``CheckpointFunction`` (``use_reentrant=
-    True``) by ``reentrant(it)`` and ``_checkpoint_without_reentrant_generator`` by
-    ``non_reentrant(it)``."""
+    """Replace (``replace(module, name, new)``) what ``checkpoint()`` of a recognised ``module``
+    calls: ``CheckpointFunction`` (``use_reentrant=True``) by ``reentrant(it)`` and
+    ``_checkpoint_without_reentrant_generator`` by ``non_reentrant(it)``."""
     assert unrecognised_checkpoint(module) is None
-    module.CheckpointFunction = reentrant(module.CheckpointFunction)
+    replace(module, "CheckpointFunction", reentrant(module.CheckpointFunction))
     generator = module._checkpoint_without_reentrant_generator
-    module._checkpoint_without_reentrant_generator = non_reentrant(generator)
+    replace(module, "_checkpoint_without_reentrant_generator", non_reentrant(generator))
 
 
 def unrecognised_clipping(module: ModuleType | Any) -> str | None:
@@ -400,16 +399,17 @@ def unrecognised_clipping(module: ModuleType | Any) -> str | None:
 GradientReaderWrap = Callable[[Callable[..., Any], Callable[[Any], Any]], Callable[..., Any]]
 
 
-def replace_gradient_readers(module: Any, wrap: GradientReaderWrap) -> None:
-    """Replace the two private functions through which a recognised clip_grad ``module``
-    (:func:`unrecognised_clipping` is None) reads gradients, whatever name its public functions
-    were imported under: ``_group_tensors_by_device_and_dtype`` (the gradients are its first
-    argument's first list) and ``_clip_grads_with_norm_`` (its first argument, the
-    parameters)."""
+def replace_gradient_readers(
+    module: Any, wrap: GradientReaderWrap, replace: Callable[[Any, str, Any], None]
+) -> None:
+    """Replace (``replace(module, name, new)``) the private functions through which a recognised
+    clip_grad ``module`` reads gradients, whatever name its public functions were imported under:
+    ``_group_tensors_by_device_and_dtype`` (the gradients: its first argument's first list) and
+    ``_clip_grads_with_norm_`` (its first argument, the parameters)."""
     assert unrecognised_clipping(module) is None
     grouping = module._group_tensors_by_device_and_dtype
-    module._group_tensors_by_device_and_dtype = wrap(grouping, lambda lists: lists[0])
-    module._clip_grads_with_norm_ = wrap(module._clip_grads_with_norm_, lambda params: params)
+    replace(module, "_group_tensors_by_device_and_dtype", wrap(grouping, lambda lists: lists[0]))
+    replace(module, "_clip_grads_with_norm_", wrap(module._clip_grads_with_norm_, lambda p: p))
 
 
 # -- torch.distributed.elastic (mirrored.launch.launcher)

@@ -5,6 +5,7 @@ of its forward, with torch's and Hugging Face's default arguments or with
 from __future__ import annotations
 
 import functools
+import gc
 import inspect
 
 import pytest
@@ -18,7 +19,7 @@ from torch.utils.checkpoint import (
 )
 
 import mirrored
-from mirrored.random import activation_checkpoint, routing, torch_compat
+from mirrored.random import routing
 from tests.exactness import assert_close_float64
 from tests.reference_loops import make_batches, train_mirrored
 
@@ -212,19 +213,23 @@ def test_on_an_unknown_torch_a_checkpoint_preserving_rng_state_is_refused_in_rep
     def step():
         return checkpoint(F.relu, torch.ones(8, requires_grad=True), use_reentrant=use_reentrant)
 
+    gc.collect()  # earlier tests' replica streams: the patch is installed afresh below
+    assert module.CheckpointFunction.__module__ == module.__name__, "a replica stream is alive"
+    # torch's own implementations, one of them in a form the wrappers do not know
+    generator = inspect.unwrap(module._checkpoint_without_reentrant_generator)
+    monkeypatch.setattr(
+        module, "_checkpoint_without_reentrant_generator", functools.partial(generator)
+    )
+    get_rng_state = torch.get_rng_state
+    monkeypatch.setattr(torch, "get_rng_state", get_rng_state)
     with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
-        # torch's own implementations, one of them in a form the wrappers do not know
-        monkeypatch.setattr(module, "CheckpointFunction", module.CheckpointFunction.__base__)
-        generator = inspect.unwrap(module._checkpoint_without_reentrant_generator)
-        monkeypatch.setattr(
-            module, "_checkpoint_without_reentrant_generator", functools.partial(generator)
-        )
-        monkeypatch.setattr(torch, "get_rng_state", torch.get_rng_state)
-        monkeypatch.setattr(torch_compat, "_installed", False)
-        torch_compat.route_checkpoint_recomputes(activation_checkpoint.replica_replay)
+        assert torch.get_rng_state is not get_rng_state  # the refusing one
         assert torch.equal(step(), torch.ones(8))  # outside replicas: torch's checkpoint
         with pytest.raises(ValueError, match=r"not the torch mirrored knows.*preserve_rng_state"):
             strategy.run(step)
+    del strategy
+    gc.collect()
+    assert torch.get_rng_state is get_rng_state  # torch's own again, with the last stream
 
 
 CHECKPOINT_OPTIONS = {

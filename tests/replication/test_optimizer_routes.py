@@ -12,7 +12,9 @@ import torch.nn.functional as F
 from torch.nn.utils import clip_grad_norm_, clip_grad_value_
 
 import mirrored
-from mirrored.random import torch_compat
+from mirrored.torch_patches.clipping import install_clipping_routes
+from mirrored.torch_patches.holders import Installation
+from mirrored.torch_patches.schedulers import install_step_routes
 from tests.mirrored_steps import one_step, train_plain_scheduled
 from tests.reference_loops import (
     CROSS_DEVICE_OPS,
@@ -156,13 +158,19 @@ def test_on_an_unknown_torch_clipping_warns_and_routes_the_public_functions():
     module = types.SimpleNamespace(clip_grad_norm_=torch_s_clipping, clip_grad_value_=len)
     package = types.SimpleNamespace()
     seen = []
+    installation = Installation()
     with pytest.warns(RuntimeWarning, match=r"not the one mirrored knows \(_get_total_norm .*"):
-        torch_compat.route_clipping_of(module, package, seen.append)
+        install_clipping_routes(installation, module, package, seen.append)
     params = list(make_mlp().parameters())
     # A generator is listed once: the hook and torch's function both see every parameter.
     assert package.clip_grad_norm_(iter(params), 1.0) == [id(p) for p in params]
     assert seen == [params]
     assert module.clip_grad_value_ is package.clip_grad_value_
+    routed = package.clip_grad_norm_  # as a later patch of another's would still call it
+    installation.remove()
+    assert module.clip_grad_norm_ is torch_s_clipping and module.clip_grad_value_ is len
+    assert vars(package) == {}
+    assert routed(params, 1.0) == [id(p) for p in params] and seen == [params]  # torch's alone
 
 
 def test_a_released_optimizer_takes_no_part_in_clipping_the_new_one_s_gradients():
@@ -322,7 +330,9 @@ def test_scheduler_classes_are_routed_whenever_they_are_defined():
             return super().step() + " early"
 
     skipped = set()
-    torch_compat.route_steps_of_subclasses(Base, lambda scheduler: id(scheduler) in skipped)
+    steps = [Base.step, Early.step]
+    installation = Installation()
+    install_step_routes(installation, Base, lambda scheduler: id(scheduler) in skipped)
 
     class Late(Early):
         def step(self):
@@ -332,3 +342,8 @@ def test_scheduler_classes_are_routed_whenever_they_are_defined():
     assert [s.step() for s in schedulers] == ["stepped", "stepped early", "stepped early late"]
     skipped.update(id(s) for s in schedulers)
     assert [s.step() for s in schedulers] == [None, None, None]
+    routed = Base.step  # as a later patch of another's would still call it
+    installation.remove()
+    assert [Base.step, Early.step] == steps and "__init_subclass__" not in vars(Base)
+    assert [s.step() for s in schedulers] == ["stepped", "stepped early", "stepped early late"]
+    assert routed(schedulers[0]) == "stepped"  # torch's alone, though skipped

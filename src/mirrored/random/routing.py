@@ -43,10 +43,10 @@ from mirrored._torch_internals import (
     aten_takes_generator,
     body_without_torch_function_check,
 )
-from mirrored.random import torch_compat
 from mirrored.random.activation_checkpoint import entered_streams, replica_replay
 from mirrored.random.cpu_kernels import cpu_attention, cpu_dropout, is_plain, math_attention_fits
 from mirrored.random.step_seeds import StepSeed, global_generators_lock
+from mirrored.torch_patches import hold_checkpoint_routes
 
 __all__ = ["ReplicaRandomness", "replica_streams"]
 
@@ -197,7 +197,9 @@ class ReplicaRandomness(TorchFunctionMode):
         self._running_bodies: set[Callable[..., Any]] = set()
         self._autograd_passes = 0  # running now, started from this replica
         self._swapping = False  # this replica's states are in the global generators now
-        torch_compat.route_checkpoint_recomputes(replica_replay)
+        # torch's checkpoints recompute inside the replica's replay until these streams are
+        # collected (the holding ends with them: nothing releases it earlier).
+        hold_checkpoint_routes(self, replica_replay)
 
     def start_step(self, step_seed: StepSeed) -> None:
         """Before a step: its streams will derive from ``step_seed`` when first needed."""

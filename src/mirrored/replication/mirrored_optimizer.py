@@ -28,7 +28,7 @@ from mirrored.core.values import ReduceOp
 from mirrored.replication.gradient_reducer import OverlappedGradientReducer, check_dense
 from mirrored.replication.mirror_features import NO_FEATURES, MirrorFeatures
 from mirrored.replication.mirrored_module import replica_context_of
-from mirrored.replication.optimizer_routes import holds_any, route_torch_calls, stop_routing
+from mirrored.replication.optimizer_routes import holds_any
 from mirrored.replication.replica_optimizers import ReplicaOptimizers
 from mirrored.replication.sharded_update import (
     PER_PARAMETER_OPTIMIZERS,
@@ -36,6 +36,7 @@ from mirrored.replication.sharded_update import (
     load_own_copy,
     state_bytes,
 )
+from mirrored.torch_patches import hold_optimizer_routes
 
 if TYPE_CHECKING:
     from mirrored.strategies.in_process import InProcessStrategy
@@ -71,7 +72,7 @@ class MirroredOptimizer(ReplicaOptimizers):
         # Per replica: whether the gradients are still those the last update used (no backward
         # has added to them since), to clip or log them after step().
         self._after_update = [False] * len(optimizers)
-        self._created = route_torch_calls(strategy, self, optimizers[0])
+        self._torch_routes = hold_optimizer_routes(strategy, self, optimizers[0])
         self._params = [list(p) for p in params]
         self._running_stats = [list(b) for b in running_stats]
         self._plain_tensors = all(type(p.data) is torch.Tensor for p in self._params[0])
@@ -101,7 +102,7 @@ class MirroredOptimizer(ReplicaOptimizers):
         """Its module was released: it can no longer step, and takes no part in clipping (the
         module mirrored again holds the same parameters in replica 0)."""
         self.released = True
-        stop_routing(self._strategy, self._created)
+        self._torch_routes.release()
         self._strategy.untrack_replicated(self)
 
     @property
