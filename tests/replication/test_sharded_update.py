@@ -6,6 +6,7 @@ import pytest
 
 import mirrored
 from mirrored.replication.sharded_update import assign_owners
+from mirrored.replication.update_plan import SyncPath
 from tests.exactness import assert_close_float64
 from tests.reference_loops import OPTIMIZERS, make_batches, make_mlp, train_mirrored, train_plain
 
@@ -50,7 +51,7 @@ def test_unknown_optimizers_update_in_full_on_every_replica():
     with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
         model = make_mlp()
         _, optimizer = strategy.mirror(model, OPTIMIZERS["custom"](model))
-        assert optimizer._sharded is None
+        assert optimizer.update_plan.path is SyncPath.REDUCED
         model = make_mlp()
         _, optimizer = strategy.mirror(model, OPTIMIZERS["adam"](model))
-        assert optimizer._sharded is not None
+        assert optimizer.update_plan.path is SyncPath.REDUCED_ON_OWNERS

@@ -330,7 +330,7 @@ def test_training_runs_by_the_plan_and_equals_one_device(
         mirrored_model, optimizer, _ = train_mirrored(
             strategy, model, torch.optim.Adam(model.parameters(), lr=1e-2), batches
         )
-        zero = optimizer._zero
+        zero = optimizer.update_plan.zero
         plan = plan_zero(stage, parameters, [num_replicas], 0, zero_redundancy._CHUNK_BYTES)
         assert zero.plan == plan
         for r, share in enumerate(plan.shares):

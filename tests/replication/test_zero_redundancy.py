@@ -165,7 +165,7 @@ def test_stage_2_leaves_each_reduced_gradient_on_its_owner_only() -> None:
         model, optimizer = strategy.mirror(net, adamw(net))
         batch = next(iter(strategy.experimental_distribute_dataset(batches)))
         strategy.run(_step_keeping_gradients, (batch, model, optimizer))
-        cut = {piece.position for piece in optimizer._zero.pieces if not piece.whole}
+        cut = {piece.position for piece in optimizer.update_plan.zero.pieces if not piece.whole}
         assert cut  # 2 replicas: one parameter is cut between them
         for index, (name, reference) in enumerate(expected.named_parameters()):
             grads = [list(replica.parameters())[index].grad for replica in model.replicas]

@@ -4,7 +4,9 @@ A strategy hands a ``MirrorFeatures`` to the mirrored module and optimizer it ma
 accumulation (:mod:`mirrored.replication.accumulation`), local SGD
 (:mod:`mirrored.replication.local_sgd`), sharded optimizer state
 (:mod:`mirrored.replication.zero_redundancy`) and gradients reduced during backward
-(:mod:`mirrored.replication.gradient_reducer`). This base has none of them, which is what a
+(:mod:`mirrored.replication.gradient_reducer`), each parameter updated once by an owner
+(:mod:`mirrored.replication.sharded_update`); they are planned together once
+(:mod:`mirrored.replication.update_plan`). This base has none of them, which is what a
 pipeline's optimizer gets; the replicated family
 (:class:`mirrored.strategies.replicated.ReplicatedStrategy`) answers with its own. The mirrored
 module and optimizer ask these features, never which kind of strategy made them.
@@ -48,6 +50,11 @@ class MirrorFeatures:
     ) -> ZeroRedundancy | None:
         """A new mirrored optimizer's sharding of its state (None: every replica keeps all)."""
         return None
+
+    def owner_updates(self) -> bool:
+        """Whether each parameter may be updated once, by an owner replica, and copied to the
+        others: the replicas' gradients are summed in place, in slices, in every replica."""
+        return False
 
     def gradient_reducer(
         self,

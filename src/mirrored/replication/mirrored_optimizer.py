@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 from mirrored._torch_internals import disable_torch_function
-from mirrored.comm.cross_device_ops import HierarchicalCopyAllReduce
 from mirrored.core.context import ReplicaContext
 from mirrored.core.param_groups import snapshot, take_hyperparameters
 from mirrored.core.rendezvous import SyncMismatchError
@@ -30,16 +29,12 @@ from mirrored.replication.mirror_features import NO_FEATURES, MirrorFeatures
 from mirrored.replication.mirrored_module import replica_context_of
 from mirrored.replication.optimizer_routes import holds_any
 from mirrored.replication.replica_optimizers import ReplicaOptimizers
-from mirrored.replication.sharded_update import (
-    PER_PARAMETER_OPTIMIZERS,
-    ShardedUpdate,
-    load_own_copy,
-    state_bytes,
-)
+from mirrored.replication.sharded_update import load_own_copy, state_bytes
+from mirrored.replication.update_plan import SyncPath, UpdatePlan, plan_updates
 from mirrored.torch_patches import hold_optimizer_routes
 
 if TYPE_CHECKING:
-    from mirrored.strategies.in_process import InProcessStrategy
+    from mirrored.core.replica_set import ReplicaSet
 
 __all__ = ["MirroredOptimizer"]
 
@@ -52,12 +47,12 @@ class MirroredOptimizer(ReplicaOptimizers):
     It is a ``torch.optim.Optimizer`` so that torch's LR schedulers take it: they change the
     hyperparameters of ``param_groups`` (replica 0's), which every replica takes at its next
     step. ``scheduler.step()`` may be called outside ``strategy.run`` or inside it, on every
-    replica: there replica 0's call alone advances the schedule (:mod:`mirrored.random.torch_compat`
-    routes every ``LRScheduler`` subclass's ``step``)."""
+    replica: there replica 0's call alone advances the schedule
+    (:mod:`mirrored.torch_patches.schedulers` routes every ``LRScheduler`` subclass's ``step``)."""
 
     def __init__(
         self,
-        strategy: InProcessStrategy,
+        strategy: ReplicaSet,
         optimizers: Sequence[torch.optim.Optimizer],
         params: Sequence[Sequence[nn.Parameter]],
         running_stats: Sequence[Sequence[torch.Tensor]],
@@ -76,27 +71,8 @@ class MirroredOptimizer(ReplicaOptimizers):
         self._params = [list(p) for p in params]
         self._running_stats = [list(b) for b in running_stats]
         self._plain_tensors = all(type(p.data) is torch.Tensor for p in self._params[0])
-        # Replicas sharing one device's memory, with the slice-parallel HierarchicalCopyAllReduce,
-        # reduce and update each parameter once, on its owner (sharded_update.py).
-        shared_memory = len({p[0].device for p in self._params if p}) == 1
-        self._sharded: ShardedUpdate | None = None
-        # With gradient accumulation, most steps only keep the gradients (accumulation.py).
-        self._window = features.accumulation_window()
-        # With local SGD, most updates are each replica's own (local_sgd.py).
-        self._local = features.local_steps()
-        # With zero_stage, each parameter's owner alone updates it (zero_redundancy.py).
-        self._zero = features.zero_redundancy(optimizers, params)
-        # Gradients are summed while backward runs (gradient_reducer.py), unless zero_stage=2.
-        self._reducer = features.gradient_reducer(params, self._window, self._local)
-        if (
-            self._zero is None
-            and self._local is None  # its replicas keep optimizer states of their own
-            and len(optimizers) > 1
-            and shared_memory
-            and isinstance(strategy.cross_device_ops, HierarchicalCopyAllReduce)
-            and type(optimizers[0]) in PER_PARAMETER_OPTIMIZERS
-        ):
-            self._sharded = ShardedUpdate(optimizers, params)
+        # Accumulation, local SGD, ZeRO, the reducer and owner updates, planned once.
+        self._plan = plan_updates(features, optimizers, params)
 
     def release(self) -> None:
         """Its module was released: it can no longer step, and takes no part in clipping (the
@@ -106,17 +82,23 @@ class MirroredOptimizer(ReplicaOptimizers):
         self._strategy.untrack_replicated(self)
 
     @property
+    def update_plan(self) -> UpdatePlan:
+        """How this optimizer's updates run (accumulation, local SGD, ZeRO, where gradients are
+        summed and who applies them), fixed when it was mirrored."""
+        return self._plan
+
+    @property
     def accumulation_steps(self) -> int:
         """How many ``step()`` calls make one update (the strategy's
         ``gradient_accumulation_steps``)."""
-        return 1 if self._window is None else self._window.steps
+        return 1 if self._plan.window is None else self._plan.window.steps
 
     @property
     def step_updates(self) -> bool:
         """Whether the current replica's next ``step()`` reduces and updates (False for the
         first micro-steps of an accumulation window); replica 0's outside ``strategy.run``."""
         replica = replica_context_of(self._strategy)
-        return self._window is None or self._window.final(
+        return self._plan.window is None or self._plan.window.final(
             0 if replica is None else replica.local_replica_id
         )
 
@@ -126,8 +108,8 @@ class MirroredOptimizer(ReplicaOptimizers):
         replica = replica_context_of(self._strategy)
         if replica is None:
             raise RuntimeError("discard_gradients() belongs inside strategy.run(), as step()")
-        if self._window is not None:
-            self._window.advance(replica.local_replica_id)
+        if self._plan.window is not None:
+            self._plan.window.advance(replica.local_replica_id)
         self.optimizers[replica.local_replica_id].zero_grad(set_to_none=True)
         self._after_update[replica.local_replica_id] = False
 
@@ -146,16 +128,16 @@ class MirroredOptimizer(ReplicaOptimizers):
             return  # after step(), before the next backward: the gradients the update used
         if replica.num_replicas_in_sync == 1 or self._reduced_early[replica_id]:
             return
-        if self._window is not None and not self._window.final(replica_id):
+        if self._plan.window is not None and not self._plan.window.final(replica_id):
             raise ValueError(
                 "the replicas' gradients are summed at the last micro-step of an "
                 "accumulation window (gradient_accumulation_steps > 1), not before: clip "
                 "or read them there (optimizer.step_updates is True)"
             )
-        if self._local is not None and self._local.local(replica_id):
+        if self._plan.local is not None and self._plan.local.local(replica_id):
             self._scale_gradients(replica_id, replica.num_replicas_in_sync)  # the shard's mean
             self._reduced_early[replica_id] = True
-        elif self._reducer is None:
+        elif self._plan.reducer is None:
             raise ValueError(
                 "the replicas' gradients cannot be summed before step() (to clip them) with "
                 "zero_stage=2, where step() reduce-scatters them to their owners; clip with an "
@@ -201,13 +183,10 @@ class MirroredOptimizer(ReplicaOptimizers):
         replica_id = replica.local_replica_id
         if replica.num_replicas_in_sync == 1:
             return self.optimizers[replica_id].step(closure)
-        if self._reducer is None or any(
-            feature is not None for feature in (self._window, self._local, self._zero)
-        ):
-            raise ValueError(
-                "optimizer.step(closure) needs the gradients summed in each backward the closure "
-                "runs: turn gradient_accumulation_steps, local_sgd and zero_stage off for LBFGS"
-            )
+        refusal = self._plan.closure_refusal()
+        if refusal is not None:
+            raise ValueError(refusal)
+        assert self._plan.reducer is not None
 
         def global_closure() -> Any:
             with torch.enable_grad():
@@ -220,7 +199,7 @@ class MirroredOptimizer(ReplicaOptimizers):
             (total,) = self._strategy.all_reduce_tensors(replica, ReduceOp.SUM, [loss.detach()])
             return total
 
-        return self._step_reduced(replica, self._reducer, global_closure)
+        return self._step_reduced(replica, self._plan.reducer, global_closure)
 
     def _without_torch_function(self) -> AbstractContextManager[Any]:
         """Torch-function modes (the per-replica RNG's) cost a Python call per op and replicas
@@ -228,7 +207,7 @@ class MirroredOptimizer(ReplicaOptimizers):
         return disable_torch_function() if self._plain_tensors else nullcontext()
 
     def _step(self, replica: ReplicaContext) -> Any:
-        window, replica_id = self._window, replica.local_replica_id
+        window, replica_id = self._plan.window, replica.local_replica_id
         if window is None:
             return self._update(replica)
         # A micro-step that does not end the window keeps the gradients in param.grad.
@@ -237,7 +216,7 @@ class MirroredOptimizer(ReplicaOptimizers):
         return result
 
     def _update(self, replica: ReplicaContext) -> Any:
-        local, replica_id = self._local, replica.local_replica_id
+        local, replica_id = self._plan.local, replica.local_replica_id
         if local is None:
             return self._synchronous_update(replica)
         if local.local(replica_id):
@@ -291,7 +270,7 @@ class MirroredOptimizer(ReplicaOptimizers):
         ``period`` updates, the mean of every replica's parameters
         (:mod:`mirrored.replication.local_sgd`)."""
         replica_id = replica.local_replica_id
-        window_scale = 1.0 if self._window is None else self._window.scale
+        window_scale = 1.0 if self._plan.window is None else self._plan.window.scale
         if self._reduced_early[replica_id]:  # all_reduce_gradients() scaled them already
             self._reduced_early[replica_id] = False
         else:
@@ -309,25 +288,26 @@ class MirroredOptimizer(ReplicaOptimizers):
         return result
 
     def _synchronous_update(self, replica: ReplicaContext) -> Any:
-        if self._reducer is not None:
-            return self._step_reduced(replica, self._reducer)
+        if self._plan.path is not SyncPath.AT_STEP:
+            assert self._plan.reducer is not None
+            return self._step_reduced(replica, self._plan.reducer)
         # One replica, or zero_stage=2: each replica's gradients go to their owners here.
         replica_id = replica.local_replica_id
-        if self._window is not None:  # the window's mean, before any replica sums it
-            self._scale_gradients(replica_id, self._window.scale)
+        if self._plan.window is not None:  # the window's mean, before any replica sums it
+            self._scale_gradients(replica_id, self._plan.window.scale)
         self._after_update[replica_id] = True
         if replica.num_replicas_in_sync > 1:
             # The gradients travel with replica 0's hyperparameters: one sync point opens the
             # step.
             check_dense(self._params[replica_id])
             everyone = self._open_step(replica, [p.grad for p in self._params[replica_id]])
-            assert self._zero is not None and self._zero.stage == 2, "summed in backward"
-            self._zero.reduce_gradients(replica, everyone)
+            assert self._plan.zero is not None and self._plan.zero.stage == 2, "summed in backward"
+            self._plan.zero.reduce_gradients(replica, everyone)
             self._after_update[replica_id] = False  # each replica holds its share
             if self._running_stats[replica_id]:
                 self._average_running_stats(replica)
-        if self._zero is not None:
-            return self._zero.step(replica)
+        if self._plan.zero is not None:
+            return self._plan.zero.step(replica)
         return self.optimizers[replica_id].step()
 
     def _step_reduced(
@@ -344,12 +324,15 @@ class MirroredOptimizer(ReplicaOptimizers):
             self._after_update[replica_id] = True
         if len(self.optimizers) > 1:
             self._open_step(replica)
-        if self._zero is not None:
-            result = self._zero.step(replica)
-        elif self._sharded is not None:
+        path = self._plan.path
+        if path is SyncPath.REDUCED_ZERO:
+            assert self._plan.zero is not None
+            result = self._plan.zero.step(replica)
+        elif path is SyncPath.REDUCED_ON_OWNERS:
+            assert self._plan.sharded is not None
             # A per-parameter optimizer calls its closure once, before it updates.
             loss = None if closure is None else closure()
-            result = self._sharded.step(replica_id)
+            result = self._plan.sharded.step(replica_id)
             replica.exchange.barrier("optimizer.step: parameters copied")
             if closure is not None:
                 result = loss
@@ -374,7 +357,7 @@ class MirroredOptimizer(ReplicaOptimizers):
         replica = replica_context_of(self._strategy)
         ids = range(len(self.optimizers)) if replica is None else [replica.local_replica_id]
         for replica_id in ids:
-            if self._window is None or not self._window.holding(replica_id):
+            if self._plan.window is None or not self._plan.window.holding(replica_id):
                 self.optimizers[replica_id].zero_grad(set_to_none=set_to_none)
                 self._reduced_early[replica_id] = False
                 self._after_update[replica_id] = False
@@ -385,19 +368,19 @@ class MirroredOptimizer(ReplicaOptimizers):
         unfinished accumulation window is dropped with its gradients."""
         self._reduced_early = [False] * len(self.optimizers)
         self._after_update = [False] * len(self.optimizers)
-        if self._reducer is not None:
-            self._reducer.reset()
-        if self._window is not None:
-            self._window.reset()
+        if self._plan.reducer is not None:
+            self._plan.reducer.reset()
+        if self._plan.window is not None:
+            self._plan.window.reset()
             for optimizer in self.optimizers:
                 optimizer.zero_grad(set_to_none=True)
-        if self._local is not None:
-            self._local.align()
-        if self._zero is not None:
-            self._zero.resync()  # each owner's values go with its state
+        if self._plan.local is not None:
+            self._plan.local.align()
+        if self._plan.zero is not None:
+            self._plan.zero.resync()  # each owner's values go with its state
             return
-        if self._sharded is not None:
-            self._sharded.share_state()
+        if self._plan.sharded is not None:
+            self._plan.sharded.share_state()
             return
         for optimizer in self.optimizers[1:]:
             load_own_copy(optimizer, self.optimizers[0].state_dict())
@@ -405,14 +388,14 @@ class MirroredOptimizer(ReplicaOptimizers):
     @property
     def zero_stage(self) -> int:
         """The strategy's ``zero_stage`` this optimizer runs with (0: no sharding)."""
-        return 0 if self._zero is None else self._zero.stage
+        return 0 if self._plan.zero is None else self._plan.zero.stage
 
     def state_bytes(self) -> list[int]:
         """Bytes of optimizer state (its tensors) each local replica holds: the whole state on
         every replica, or about 1/N of it with ``zero_stage`` (a tensor replicas share counts
         once, for the first)."""
-        if self._zero is not None:
-            return self._zero.state_bytes()
+        if self._plan.zero is not None:
+            return self._plan.zero.state_bytes()
         return state_bytes(self.optimizers)
 
     def state_dict(self) -> dict[str, Any]:
@@ -420,18 +403,22 @@ class MirroredOptimizer(ReplicaOptimizers):
         ``zero_stage`` it is gathered from the owners of the parameters; across workers that
         is a collective: call it on every worker at the same point."""
         self._run_hooks("state_dict_pre")
-        state = self.optimizers[0].state_dict() if self._zero is None else self._zero.state_dict()
+        state = (
+            self.optimizers[0].state_dict()
+            if self._plan.zero is None
+            else self._plan.zero.state_dict()
+        )
         return self._run_hooks("state_dict_post", state)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load the same state into every replica's optimizer (moved to its device); with
         ``zero_stage``, each replica keeps the state of the parameters it owns."""
         state_dict = self._run_hooks("load_state_dict_pre", state_dict)
-        if self._zero is not None:
-            self._zero.load_state_dict(state_dict)
+        if self._plan.zero is not None:
+            self._plan.zero.load_state_dict(state_dict)
         else:
             for optimizer in self.optimizers:
                 load_own_copy(optimizer, state_dict)
-            if self._sharded is not None:
-                self._sharded.share_state()
+            if self._plan.sharded is not None:
+                self._plan.sharded.share_state()
         self._run_hooks("load_state_dict_post")

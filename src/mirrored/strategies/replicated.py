@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 import torch
 
-from mirrored.comm.cross_device_ops import CrossDeviceOps
+from mirrored.comm.cross_device_ops import CrossDeviceOps, HierarchicalCopyAllReduce
 from mirrored.config import LogicalDevice
 from mirrored.core import context
 from mirrored.replication.accumulation import AccumulationWindow, check_accumulation_steps
@@ -148,6 +148,11 @@ class ReplicatedStrategy(InProcessStrategy, MirrorFeatures):
         """Whether a mirrored optimizer is inside an accumulation window on this replica: its
         gradients are the window's so far, and ``zero_grad()`` leaves them."""
         return any(window.holding(local_replica_id) for window in list(self._windows))
+
+    def owner_updates(self) -> bool:
+        """With the slice-parallel ``HierarchicalCopyAllReduce`` every replica holds the summed
+        gradients in place: an owner can update each parameter for all."""
+        return isinstance(self.cross_device_ops, HierarchicalCopyAllReduce)
 
     def local_steps(self) -> LocalSteps | None:
         """A new mirrored optimizer's local SGD schedule (None: every update is synchronous)."""
