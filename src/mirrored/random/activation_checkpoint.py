@@ -4,7 +4,7 @@ A checkpoint's recomputation in backward must draw the dropout masks its forward
 gradients are those of another forward. torch replays its global generators for that; inside a
 replica the random ops draw from the replica's own streams (:mod:`mirrored.random.routing`), so
 the replay here puts those streams back where they were at the forward instead. torch's own
-``checkpoint`` arguments reach it through :mod:`mirrored.random.torch_compat`;
+``checkpoint`` arguments reach it through :mod:`mirrored.torch_patches.checkpoint`;
 :func:`activation_checkpoint_contexts` is the ``context_fn`` that asks for it explicitly.
 """
 
@@ -52,11 +52,12 @@ def activation_checkpoint_contexts() -> tuple[
     forward, with ``preserve_rng_state`` on or off.
 
     Inside a replica it replays the replica's own streams, as torch's ``preserve_rng_state``
-    does there too (:mod:`mirrored.random.torch_compat`); elsewhere (outside ``strategy.run``, or a
-    ``MirroredStrategy`` of one replica) the states the CPU's and every initialised CUDA
-    device's generators had at the forward, as ``preserve_rng_state`` would. It does not combine
-    with torch's selective checkpointing (``create_selective_checkpoint_contexts``), which replays
-    the replica's streams with ``preserve_rng_state`` alone."""
+    does there too (:mod:`mirrored.torch_patches.checkpoint`); elsewhere (outside
+    ``strategy.run``, or a ``MirroredStrategy`` of one replica) the states the CPU's and every
+    initialised CUDA device's generators had at the forward, as ``preserve_rng_state`` would.
+    It does not combine with torch's selective checkpointing
+    (``create_selective_checkpoint_contexts``), which replays the replica's streams with
+    ``preserve_rng_state`` alone."""
     replay = replica_replay()
     if replay is None:
         replay = _Replay(rng_state.capture_torch, rng_state.restore_torch, None)

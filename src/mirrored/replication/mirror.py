@@ -12,9 +12,9 @@ learning rates): each sums the gradients of its own part at its ``step()``.
 
 The pieces: :mod:`mirrored.replication.mirror_checks` (what is refused before mirroring),
 :mod:`mirrored.replication.mirrored_module`, :mod:`mirrored.replication.mirrored_optimizer` (on
-:mod:`mirrored.replication.replica_optimizers`, its ``torch.optim.Optimizer`` face) and
-:mod:`mirrored.replication.optimizer_routes` (torch's clipping, schedulers and scalers inside
-replicas).
+:mod:`mirrored.replication.replica_optimizers`, its ``torch.optim.Optimizer`` face, and
+:mod:`mirrored.replication.update_plan`, how its updates run); torch's clipping, schedulers and
+scalers inside replicas are :mod:`mirrored.torch_patches`.
 """
 
 from __future__ import annotations

@@ -37,6 +37,7 @@ from mirrored.core.context import ReplicaContext, current_replica_context
 from mirrored.core.device_runtime import cap_process_memory, intra_op_threads
 from mirrored.core.param_groups import snapshot, take_hyperparameters
 from mirrored.core.rendezvous import Rendezvous
+from mirrored.core.replica_set import ReplicaSet
 from mirrored.core.replica_workers import Outcome, ReplicaWorkers, close_threads
 from mirrored.core.values import PerReplica, flatten, map_structure
 from mirrored.pipeline.executor import (
@@ -428,7 +429,7 @@ class PipelinedOptimizer(MirroredOptimizer):
             self.optimizers[index].zero_grad(set_to_none=set_to_none)
 
 
-def _pipelines_to_zero(strategy: InProcessStrategy) -> list[int]:
+def _pipelines_to_zero(strategy: ReplicaSet) -> list[int]:
     """Which pipelines' gradients a ``zero_grad()`` call clears: inside a run, the caller's
     pipeline, by its first micro-batch only (the micro-batches share the parameters, and the
     step's sums reach ``param.grad`` only at ``optimizer.step()``, so one clearing is all the
