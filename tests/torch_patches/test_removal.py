@@ -152,3 +152,15 @@ def test_ours_under_a_later_patch_of_another_s_stays_and_calls_torch_s_own():
         finally:
             torch.amp.GradScaler.scale = own  # type: ignore[method-assign]
     assert [float(s) for s in strategy.experimental_local_results(scaled)] == [4.0, 4.0]
+
+
+def test_closing_the_last_strategy_puts_torch_back_while_the_program_keeps_its_model():
+    """A notebook keeps ``model`` and ``optimizer`` after its ``with strategy:`` block: the
+    patches go at the close, not when those are collected."""
+    gc.collect()  # earlier tests' strategies
+    own = _torch_s_objects()
+    with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
+        kept = _train_mirrored(strategy, StepLR)
+        assert _patched(own) - {"torch.get_rng_state"}
+    assert _patched(own) == set()
+    assert kept  # still referenced: nothing was collected

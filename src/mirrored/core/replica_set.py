@@ -3,7 +3,8 @@
 What runs inside a replica (its ``ReplicaContext``, the mirrored module and optimizer, the
 gradient reducers, synchronised batch norm) talks to the strategy through this and nothing else:
 the devices, the collectives among the replicas of a run, the replica active on a device
-(autograd hooks find their step there), and a tracker of what is kept identical on every replica.
+(autograd hooks find their step there), a tracker of what is kept identical on every replica, and
+what to release when the strategy closes.
 :class:`mirrored.strategies.in_process.InProcessStrategy` implements it; declaring it here, below
 the strategies, keeps the layers honest with type hints counted.
 
@@ -14,7 +15,7 @@ A collective takes the calling replica as a ``Participant``: anything holding it
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -79,3 +80,8 @@ class ReplicaSet(Strategy):
     @abc.abstractmethod
     def untrack_replicated(self, replicated: Replicated) -> None:
         """Stop tracking ``replicated`` (a released mirror)."""
+
+    @abc.abstractmethod
+    def at_close(self, release: Callable[[], None]) -> None:
+        """Call ``release`` when this strategy closes (what only its replicas needed: a
+        mirrored optimizer's patches of torch), if it has not run before."""

@@ -198,8 +198,12 @@ class ReplicaRandomness(TorchFunctionMode):
         self._autograd_passes = 0  # running now, started from this replica
         self._swapping = False  # this replica's states are in the global generators now
         # torch's checkpoints recompute inside the replica's replay until these streams are
-        # collected (the holding ends with them: nothing releases it earlier).
-        hold_checkpoint_routes(self, replica_replay)
+        # released (their strategy closed) or collected.
+        self._checkpoint_routes = hold_checkpoint_routes(self, replica_replay)
+
+    def release(self) -> None:
+        """The strategy closed: torch's checkpoints need not replay these streams any more."""
+        self._checkpoint_routes.release()
 
     def start_step(self, step_seed: StepSeed) -> None:
         """Before a step: its streams will derive from ``step_seed`` when first needed."""

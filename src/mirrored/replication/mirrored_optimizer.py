@@ -68,6 +68,7 @@ class MirroredOptimizer(ReplicaOptimizers):
         # has added to them since), to clip or log them after step().
         self._after_update = [False] * len(optimizers)
         self._torch_routes = hold_optimizer_routes(strategy, self, optimizers[0])
+        strategy.at_close(self._torch_routes.release)  # torch is torch again once it closes
         self._params = [list(p) for p in params]
         self._running_stats = [list(b) for b in running_stats]
         self._plain_tensors = all(type(p.data) is torch.Tensor for p in self._params[0])

@@ -94,6 +94,9 @@ class _DefaultStrategy(InProcessStrategy):
     def close(self) -> None:
         """Nothing to release (it runs on the caller's thread)."""
 
+    def at_close(self, release: Callable[[], None]) -> None:
+        """Never called: it never closes, and what its optimizers hold goes with them."""
+
 
 @functools.cache
 def default_strategy() -> _DefaultStrategy:

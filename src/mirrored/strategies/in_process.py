@@ -80,6 +80,8 @@ class InProcessStrategy(ReplicaSet):
         self._physical_gpus = tuple(
             sorted({d.physical.index for d in self.devices if d.device_type == "GPU"})
         )
+        # What is released when the strategy closes (a mirrored optimizer's patches of torch).
+        self._at_close: list[Callable[[], None]] = []
         # Verify the replicas bit-identical before and after each run (a debugging aid).
         self.check_replicas = os.environ.get("MIRRORED_CHECK_REPLICAS", "") not in ("", "0")
 
@@ -221,6 +223,16 @@ class InProcessStrategy(ReplicaSet):
             module.mark_outside_edits()
             if self.check_replicas:
                 module.check_replicas("after a run")
+
+    def at_close(self, release: Callable[[], None]) -> None:
+        self._at_close.append(release)
+
+    def _release_at_close(self) -> None:
+        """From ``close()``: what only this strategy's replicas needed goes (releases are
+        idempotent: a collected holder's already ran)."""
+        releases, self._at_close = self._at_close, []
+        for release in releases:
+            release()
 
     def untrack_replicated(self, replicated: Replicated) -> None:
         """Stop resyncing ``replicated`` (a released mirror)."""

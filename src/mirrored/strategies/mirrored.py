@@ -119,6 +119,8 @@ class MirroredStrategy(ReplicatedStrategy):
             ReplicaRandomness(i, d.torch_device, on_backward=observe_backward)
             for i, d in enumerate(logical)
         ]
+        for randomness in self._randomness:
+            self.at_close(randomness.release)
         self._workers = ReplicaWorkers([d.short_name for d in logical])
         self.replica_speeds = (
             None if load_balancing is None else ReplicaSpeeds(load_balancing, len(logical))
@@ -206,3 +208,4 @@ class MirroredStrategy(ReplicatedStrategy):
     def close(self) -> None:
         """Stop the worker threads; the strategy cannot run afterwards."""
         close_threads(self._finalizer, lambda: self._workers.close(wait=True))
+        self._release_at_close()

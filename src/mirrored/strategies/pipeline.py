@@ -124,6 +124,8 @@ class PipelineStrategy(InProcessStrategy):
         self._randomness = [
             ReplicaRandomness(i, d.torch_device) for i, d in enumerate(replica_devices)
         ]
+        for randomness in self._randomness:
+            self.at_close(randomness.release)
         self._workers = ReplicaWorkers(
             [
                 f"pipeline{p}-microbatch{k}"
@@ -361,6 +363,7 @@ class PipelineStrategy(InProcessStrategy):
     def close(self) -> None:
         """Stop the replica and stage threads; the strategy cannot run afterwards."""
         close_threads(self._finalizer, lambda: _stop(self._workers, self._pipelines))
+        self._release_at_close()
 
 
 def _stop(workers: ReplicaWorkers, pipelines: list[Pipeline]) -> None:
