@@ -32,7 +32,7 @@ from mirrored.core.context import (
     has_strategy,
     in_cross_replica_context,
 )
-from mirrored.core.rendezvous import ReplicaAbortedError, SyncMismatchError, SyncTimeoutError
+from mirrored.core.replica_meeting import ReplicaAbortedError, SyncMismatchError, SyncTimeoutError
 from mirrored.core.strategy import Strategy
 from mirrored.core.values import PerReplica, ReduceOp, VariableAggregation
 from mirrored.input import DistributedDataset, InputContext, InputOptions, ValueContext

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from mirrored.comm.same_host_all_reduce import LocalReduceError, SameHostAllReduce, _part
-from mirrored.core.rendezvous import SyncMismatchError
+from mirrored.core.replica_meeting import SyncMismatchError
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 8])

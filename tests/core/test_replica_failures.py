@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from mirrored.core.rendezvous import ReplicaAbortedError
 from mirrored.core.replica_failures import add_note, first_failure
+from mirrored.core.replica_meeting import ReplicaAbortedError
 
 
 def test_the_error_that_aborted_the_run_is_the_first_failure():

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mirrored
-from mirrored.core.rendezvous import ReplicaExchange
+from mirrored.core.replica_meeting import ReplicaExchange
 from mirrored.replication.sharded_update import state_bytes
 from tests.exactness import assert_close_float64
 from tests.reference_loops import (
@@ -289,7 +289,7 @@ def test_a_run_failing_after_the_owners_updated_leaves_the_steps_parameters_and_
     # failure would release it there): the owners' values go with their advanced state, so
     # the model ends where two full steps put it, on every replica. Replica 1 arrives last at
     # each sync point and fails before replica 0 has left the one before the update (it holds
-    # the rendezvous' lock until its next sync call): replica 0 still makes its update.
+    # the meeting' lock until its next sync call): replica 0 still makes its update.
     batches = make_batches(num_examples=2 * 16, batch_size=16)
     expected = make_mlp()
     plain_optimizer = torch.optim.Adam(expected.parameters(), lr=1e-2)
@@ -302,14 +302,14 @@ def test_a_run_failing_after_the_owners_updated_leaves_the_steps_parameters_and_
             return exchange_all(self, label, value, cross_device)
         if label == "ZeRO: parameters updated":
             error = RuntimeError("interrupted")
-            self.rendezvous.abort(error)
-            self.rendezvous._cond.release()
+            self.meeting.abort(error)
+            self.meeting._cond.release()
             raise error
         if fail["holding"]:
-            self.rendezvous._cond.release()
-        while self.rendezvous.waiting() != {0: label}:
+            self.meeting._cond.release()
+        while self.meeting.waiting() != {0: label}:
             time.sleep(0.001)
-        self.rendezvous._cond.acquire()
+        self.meeting._cond.acquire()
         fail["holding"] = True
         return exchange_all(self, label, value, cross_device)
 

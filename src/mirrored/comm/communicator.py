@@ -21,7 +21,7 @@ import torch
 from mirrored.comm.cross_device_ops import CrossDeviceOps
 from mirrored.comm.replica_collectives import all_gather_local, all_reduce_in_buckets
 from mirrored.config import LogicalDevice
-from mirrored.core.rendezvous import ReplicaExchange
+from mirrored.core.replica_meeting import ReplicaExchange
 from mirrored.core.values import PerReplica, ReduceOp
 
 if TYPE_CHECKING:

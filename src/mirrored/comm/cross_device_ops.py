@@ -20,7 +20,7 @@ import torch
 
 from mirrored.comm.bucketing import Bucket, plan_buckets
 from mirrored.config import DeviceSpec, LogicalDevice, resolve_devices
-from mirrored.core.rendezvous import ReplicaExchange
+from mirrored.core.replica_meeting import ReplicaExchange
 from mirrored.core.values import ReduceOp
 
 __all__ = [

@@ -15,7 +15,7 @@ import torch
 
 from mirrored.comm.bucketing import PackedTensors
 from mirrored.comm.cross_device_ops import CrossDeviceOps
-from mirrored.core.rendezvous import ReplicaExchange
+from mirrored.core.replica_meeting import ReplicaExchange
 from mirrored.core.values import ReduceOp
 
 if TYPE_CHECKING:

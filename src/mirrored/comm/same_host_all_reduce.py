@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from mirrored.core.rendezvous import SyncMismatchError
+from mirrored.core.replica_meeting import SyncMismatchError
 
 __all__ = ["LocalReduceError", "PendingReduce", "SameHostAllReduce"]
 

@@ -39,7 +39,7 @@ from mirrored._torch_internals import default_store
 from mirrored.cluster.resolvers import ClusterResolver
 from mirrored.cluster.store import connect_store, sockets_on_loopback
 from mirrored.comm.same_host_all_reduce import LocalReduceError, SameHostAllReduce
-from mirrored.core.rendezvous import SyncMismatchError, SyncTimeoutError
+from mirrored.core.replica_meeting import SyncMismatchError, SyncTimeoutError
 
 __all__ = [
     "PendingCollective",

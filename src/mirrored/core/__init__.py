@@ -1,1 +1,1 @@
-"""The runtime every layer stands on: values, replica contexts, rendezvous, replica threads."""
+"""The runtime every layer stands on: values, replica contexts, meeting, replica threads."""

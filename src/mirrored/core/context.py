@@ -20,7 +20,7 @@ from mirrored.core.strategy import Strategy, scoped_strategy
 from mirrored.core.values import ReduceOp, flatten, map_structure, regroup, select_replica
 
 if TYPE_CHECKING:
-    from mirrored.core.rendezvous import ReplicaExchange
+    from mirrored.core.replica_meeting import ReplicaExchange
     from mirrored.core.replica_set import ReplicaSet
 
 __all__ = [
@@ -138,7 +138,7 @@ class ReplicaContext:
                 with _merge_scope():
                     result = merge_fn(self.strategy, *grouped_args, **grouped_kwargs)
             except BaseException as error:
-                self.exchange.rendezvous.abort(error)
+                self.exchange.meeting.abort(error)
                 raise
         result = self.exchange.all(label + " result", result)[0]
         return select_replica(self.local_replica_id, result)

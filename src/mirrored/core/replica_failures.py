@@ -1,12 +1,12 @@
 """How a failed run is reported: which replica's error the caller gets, and notes on it.
 
-When one replica fails, the rendezvous releases the others with ``ReplicaAbortedError``; the
+When one replica fails, the meeting releases the others with ``ReplicaAbortedError``; the
 caller must get the error that started it, not one of the releases.
 """
 
 from __future__ import annotations
 
-from mirrored.core.rendezvous import ReplicaAbortedError
+from mirrored.core.replica_meeting import ReplicaAbortedError
 
 __all__ = ["add_note", "first_failure"]
 

@@ -25,7 +25,7 @@ from mirrored.core.values import ReduceOp
 
 if TYPE_CHECKING:
     from mirrored.config import LogicalDevice
-    from mirrored.core.rendezvous import ReplicaExchange
+    from mirrored.core.replica_meeting import ReplicaExchange
 
 __all__ = ["Participant", "ReplicaSet", "Replicated"]
 

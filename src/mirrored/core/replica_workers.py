@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from mirrored.core.context import current_replica_context
-from mirrored.core.rendezvous import ReplicaAbortedError, SyncTimeoutError, caused_by_timeout
+from mirrored.core.replica_meeting import ReplicaAbortedError, SyncTimeoutError, caused_by_timeout
 
 __all__ = ["Outcome", "ReplicaWorkers", "close_threads"]
 

@@ -96,7 +96,7 @@ class Pipeline:
             self._rounds[microbatch] += 1
             result = self._results[key] = ForwardResult()
         self.executors[0].submit_forward(key, Handoff((args, kwargs)), grad_enabled)
-        output = result.wait(run.rendezvous, self.describe)
+        output = result.wait(run.meeting, self.describe)
         return output.receive(self.devices[0].torch_device), key
 
     def forward_done(
@@ -155,7 +155,7 @@ class Pipeline:
             self._coming.discard(key)
             if self._backward_error is None:
                 self._backward_error = error
-        run.rendezvous.abort(error)
+        run.meeting.abort(error)
 
     def take_gradients(self, deadline: float | None) -> list[tuple[nn.Parameter, torch.Tensor]]:
         """At a step: let every stage finish (last stage first, as gradients flow), then the

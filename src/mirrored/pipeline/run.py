@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from mirrored.core.rendezvous import Rendezvous, ReplicaAbortedError, SyncTimeoutError
+from mirrored.core.replica_meeting import ReplicaAbortedError, ReplicaMeeting, SyncTimeoutError
 from mirrored.core.values import flatten, map_structure
 from mirrored.random.step_seeds import StepSeed
 
@@ -54,7 +54,7 @@ class StageTimeline:
 class PipelineRun:
     """What the stages need to know about the current ``strategy.run``."""
 
-    rendezvous: Rendezvous
+    meeting: ReplicaMeeting
     first_replica: int  # the local replica id of this pipeline's micro-batch 0
     num_microbatches: int
     step_seed: StepSeed
@@ -93,15 +93,15 @@ class ForwardResult:
         self._value, self._error = value, error
         self._done.set()
 
-    def wait(self, rendezvous: Rendezvous, describe: Callable[[], str]) -> Any:
-        """The value, once set; a ``SyncTimeoutError`` after the rendezvous's timeout, naming
+    def wait(self, meeting: ReplicaMeeting, describe: Callable[[], str]) -> Any:
+        """The value, once set; a ``SyncTimeoutError`` after the meeting's timeout, naming
         what the stages are doing (``describe``)."""
-        timeout = rendezvous.timeout_seconds
+        timeout = meeting.timeout_seconds
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self._done.wait(0.05):
-            if rendezvous.abort_reason is not None:
+            if meeting.abort_reason is not None:
                 raise ReplicaAbortedError("released because another replica failed") from (
-                    rendezvous.abort_reason
+                    meeting.abort_reason
                 )
             if deadline is not None and time.monotonic() > deadline:
                 raise SyncTimeoutError(

@@ -22,8 +22,8 @@ from torch import nn
 
 from mirrored.config import LogicalDevice
 from mirrored.core.device_runtime import ReplicaDeviceRuntime
-from mirrored.core.rendezvous import caused_by_timeout
 from mirrored.core.replica_failures import add_note
+from mirrored.core.replica_meeting import caused_by_timeout
 from mirrored.core.values import flatten, map_structure
 from mirrored.pipeline.run import Handoff, Key, OpRecord, PipelineRun, StageTimeline
 from mirrored.pipeline.schedule import Action, StageState, next_action
@@ -140,7 +140,7 @@ class StageExecutor:
             self._draining = True
             self._cond.notify_all()
             while self._busy or self._forwards or self._backwards or self._saved:
-                if self._run is not None and self._run.rendezvous.abort_reason is not None:
+                if self._run is not None and self._run.meeting.abort_reason is not None:
                     break
                 if deadline is not None and time.monotonic() > deadline:
                     raise TimeoutError(
@@ -164,7 +164,7 @@ class StageExecutor:
         left to finish, and what it produces is dropped (it belongs to no run)."""
         with self._cond:
             run, self._run = self._run, None  # nothing more is scheduled
-            timed_out = run is not None and caused_by_timeout(run.rendezvous.abort_reason)
+            timed_out = run is not None and caused_by_timeout(run.meeting.abort_reason)
             while self._busy and not timed_out:
                 if deadline is not None and time.monotonic() > deadline:
                     break
@@ -184,8 +184,8 @@ class StageExecutor:
 
     # -- the stage's thread -----------------------------------------------------------------------
     def _state(self, run: PipelineRun) -> StageState:
-        waiting = run.rendezvous.waiting()
-        finished = run.rendezvous.finished()
+        waiting = run.meeting.waiting()
+        finished = run.meeting.finished()
         ids = range(run.first_replica, run.first_replica + run.num_microbatches)
         idle = {k for k, r in enumerate(ids) if r in waiting or r in finished or self._draining}
         # A backward still on its way down from a later stage can come after its thread ended.

@@ -22,7 +22,7 @@ from torch import nn
 from mirrored._torch_internals import disable_torch_function
 from mirrored.core.context import ReplicaContext
 from mirrored.core.param_groups import snapshot, take_hyperparameters
-from mirrored.core.rendezvous import SyncMismatchError
+from mirrored.core.replica_meeting import SyncMismatchError
 from mirrored.core.values import ReduceOp
 from mirrored.replication.gradient_reducer import OverlappedGradientReducer, check_dense
 from mirrored.replication.mirror_features import NO_FEATURES, MirrorFeatures

@@ -17,7 +17,7 @@ import torch
 from mirrored.comm.cross_device_ops import HierarchicalCopyAllReduce
 from mirrored.config import list_logical_devices
 from mirrored.core import context
-from mirrored.core.rendezvous import Rendezvous, ReplicaExchange
+from mirrored.core.replica_meeting import ReplicaExchange, ReplicaMeeting
 from mirrored.core.replica_workers import Outcome
 from mirrored.core.values import select_replica
 from mirrored.input.batch_split import global_batch_size_of
@@ -33,7 +33,7 @@ class _DefaultStrategy(InProcessStrategy):
         super().__init__(list_logical_devices("CPU")[:1], HierarchicalCopyAllReduce(), None)
         self._device = self.devices[0].torch_device
         self._default_replica = context.ReplicaContext(
-            self, 0, ReplicaExchange(Rendezvous(1, None), 0, torch.device("cpu"), ())
+            self, 0, ReplicaExchange(ReplicaMeeting(1, None), 0, torch.device("cpu"), ())
         )
 
     @property
@@ -55,21 +55,23 @@ class _DefaultStrategy(InProcessStrategy):
         ):
             return super().run(fn, args, kwargs)  # raises the base's error
         given = (tuple(args), kwargs or {})
-        rendezvous = Rendezvous(1, self.timeout_seconds)
-        exchange = ReplicaExchange(rendezvous, 0, self._device, ())
+        meeting = ReplicaMeeting(1, self.timeout_seconds)
+        exchange = ReplicaExchange(meeting, 0, self._device, ())
         replica = context.ReplicaContext(self, 0, exchange, global_batch_size_of(given))
         own_args, own_kwargs = select_replica(0, given)
         with self._run_lock, context.replica_scope(replica):
             try:
                 return fn(*own_args, **own_kwargs)
             except BaseException as error:
-                rendezvous.abort(error)
-                root = self._root_error([(0, error)], rendezvous)  # the error, its replica noted
+                meeting.abort(error)
+                root = self._root_error([(0, error)], meeting)  # the error, its replica noted
                 assert root is error
                 self._resync_replicated(root)
                 raise
 
-    def _execute(self, tasks: Sequence[Callable[[], Any]], rendezvous: Rendezvous) -> list[Outcome]:
+    def _execute(
+        self, tasks: Sequence[Callable[[], Any]], meeting: ReplicaMeeting
+    ) -> list[Outcome]:
         try:
             return [(True, tasks[0]())]
         except BaseException as error:

@@ -27,8 +27,8 @@ from mirrored.comm.communicator import Communicator
 from mirrored.comm.cross_device_ops import CrossDeviceOps
 from mirrored.config import LogicalDevice
 from mirrored.core import context
-from mirrored.core.rendezvous import Rendezvous, ReplicaExchange
 from mirrored.core.replica_failures import add_note, first_failure
+from mirrored.core.replica_meeting import ReplicaExchange, ReplicaMeeting
 from mirrored.core.replica_set import Participant, ReplicaSet, Replicated
 from mirrored.core.replica_workers import Outcome
 from mirrored.core.values import (
@@ -153,7 +153,7 @@ class InProcessStrategy(ReplicaSet):
             )
         kwargs = kwargs or {}
         global_batch_size = global_batch_size_of((tuple(args), kwargs))
-        rendezvous = Rendezvous(len(self.devices), self.timeout_seconds)
+        meeting = ReplicaMeeting(len(self.devices), self.timeout_seconds)
         buffers = [
             r for r in list(self._replicated) if isinstance(r, SyncsBuffers) and r.has_buffers
         ]
@@ -161,7 +161,7 @@ class InProcessStrategy(ReplicaSet):
             functools.partial(
                 self._run_replica,
                 replica_id,
-                rendezvous,
+                meeting,
                 fn,
                 select_replica(replica_id, tuple(args)),
                 select_replica(replica_id, kwargs),
@@ -175,16 +175,16 @@ class InProcessStrategy(ReplicaSet):
         with self._run_lock:
             edited = self._carry_outside_edits()
             try:
-                outcomes = self._execute(tasks, rendezvous)
+                outcomes = self._execute(tasks, meeting)
             except BaseException as interrupted:
                 self._resync_replicated(interrupted)
                 raise
             failures = [(i, o[1]) for i, o in enumerate(outcomes) if not o[0]]
             if failures:
-                root = self._root_error(failures, rendezvous)
+                root = self._root_error(failures, meeting)
                 self._resync_replicated(root)
                 raise root
-            self._observe_run(rendezvous, (tuple(args), kwargs))
+            self._observe_run(meeting, (tuple(args), kwargs))
             self._mark_outside_edits(edited)
         try:
             return regroup([o[1] for o in outcomes])
@@ -262,7 +262,7 @@ class InProcessStrategy(ReplicaSet):
     def _run_replica(
         self,
         replica_id: int,
-        rendezvous: Rendezvous,
+        meeting: ReplicaMeeting,
         fn: Callable[..., Any],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
@@ -270,13 +270,13 @@ class InProcessStrategy(ReplicaSet):
         buffers: Sequence[SyncsBuffers] = (),
     ) -> Any:
         exchange = ReplicaExchange(
-            rendezvous, replica_id, self.devices[replica_id].torch_device, self._physical_gpus
+            meeting, replica_id, self.devices[replica_id].torch_device, self._physical_gpus
         )
         replica = context.ReplicaContext(
             self, self._first_replica_id + replica_id, exchange, global_batch_size
         )
         self._active_contexts[replica_id] = replica
-        rendezvous.begin(replica_id)
+        meeting.begin(replica_id)
         try:
             with context.replica_scope(replica), self._replica_scope(replica_id):
                 if exchange.device.type == "cuda":
@@ -294,24 +294,24 @@ class InProcessStrategy(ReplicaSet):
                     raise
                 return result
         except BaseException as error:
-            rendezvous.abort(error)
+            meeting.abort(error)
             raise
         finally:
             self._active_contexts[replica_id] = None
-            rendezvous.finish(replica_id)
+            meeting.finish(replica_id)
 
     def active_replica(self, local_replica_id: int) -> context.ReplicaContext | None:
         """The context of a local replica inside the current run (None outside one)."""
         return self._active_contexts[local_replica_id]
 
     def _root_error(
-        self, failures: list[tuple[int, BaseException]], rendezvous: Rendezvous
+        self, failures: list[tuple[int, BaseException]], meeting: ReplicaMeeting
     ) -> BaseException:
         """The error to raise: the first real failure (not a released replica), annotated."""
-        first = first_failure(failures, rendezvous.abort_reason)
+        first = first_failure(failures, meeting.abort_reason)
         if first is None:
-            assert rendezvous.abort_reason is not None
-            return rendezvous.abort_reason
+            assert meeting.abort_reason is not None
+            return meeting.abort_reason
         replica_id, error = first
         note = (
             f"raised in replica {self._first_replica_id + replica_id} of "
@@ -321,7 +321,9 @@ class InProcessStrategy(ReplicaSet):
         return error
 
     @abc.abstractmethod
-    def _execute(self, tasks: Sequence[Callable[[], Any]], rendezvous: Rendezvous) -> list[Outcome]:
+    def _execute(
+        self, tasks: Sequence[Callable[[], Any]], meeting: ReplicaMeeting
+    ) -> list[Outcome]:
         """Run one task per replica and return their outcomes: threads, a pipeline's stages, or
         the caller's thread."""
 
@@ -389,7 +391,7 @@ class InProcessStrategy(ReplicaSet):
         """How global batches are split when not evenly (None: evenly)."""
         return None
 
-    def _observe_run(self, rendezvous: Rendezvous, inputs: Any) -> None:
+    def _observe_run(self, meeting: ReplicaMeeting, inputs: Any) -> None:
         """After a successful run on ``inputs`` (its positional and keyword arguments)."""
 
     def distribute_datasets_from_function(

@@ -13,7 +13,7 @@ from mirrored import config
 from mirrored.comm.cross_device_ops import CrossDeviceOps, choose_cross_device_ops
 from mirrored.config import DeviceSpec, LogicalDevice
 from mirrored.core.device_runtime import ReplicaDeviceRuntime, cap_process_memory
-from mirrored.core.rendezvous import Rendezvous
+from mirrored.core.replica_meeting import ReplicaMeeting
 from mirrored.core.replica_workers import Outcome, ReplicaWorkers, close_threads
 from mirrored.core.values import flatten
 from mirrored.input import PerReplicaShards
@@ -159,19 +159,21 @@ class MirroredStrategy(ReplicatedStrategy):
     def _balanced_sizes(self) -> Callable[[int], list[int]] | None:
         return None if self.replica_speeds is None else self.replica_speeds.sizes
 
-    def _observe_run(self, rendezvous: Rendezvous, inputs: Any) -> None:
+    def _observe_run(self, meeting: ReplicaMeeting, inputs: Any) -> None:
         """With load balancing: the run's compute time and examples per replica, measured on
         runs that take a distributed batch."""
         if self.replica_speeds is None:
             return
         shards = next((v for v in flatten(inputs) if isinstance(v, PerReplicaShards)), None)
-        busy = rendezvous.busy_seconds
+        busy = meeting.busy_seconds
         if shards is None or any(seconds is None for seconds in busy):
             return
         examples = [len(value) if value.dim() else 0 for value in shards.values]
         self.replica_speeds.record([s or 0.0 for s in busy], examples)
 
-    def _execute(self, tasks: Sequence[Callable[[], Any]], rendezvous: Rendezvous) -> list[Outcome]:
+    def _execute(
+        self, tasks: Sequence[Callable[[], Any]], meeting: ReplicaMeeting
+    ) -> list[Outcome]:
         # The calling thread's current stream on each replica's GPU (None on the CPU).
         self._caller_streams = [
             torch.cuda.current_stream(d.torch_device) if d.device_type == "GPU" else None
@@ -182,7 +184,7 @@ class MirroredStrategy(ReplicatedStrategy):
                 randomness.start_step(step_seed)
             try:
                 return self._workers.run(
-                    tasks, self.timeout_seconds, rendezvous.abort, self._resync_now
+                    tasks, self.timeout_seconds, meeting.abort, self._resync_now
                 )
             finally:
                 for runtime, caller_stream in zip(

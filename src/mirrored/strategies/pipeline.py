@@ -36,7 +36,7 @@ from mirrored.config import DeviceSpec, LogicalDevice
 from mirrored.core.context import ReplicaContext, current_replica_context
 from mirrored.core.device_runtime import cap_process_memory, intra_op_threads
 from mirrored.core.param_groups import snapshot, take_hyperparameters
-from mirrored.core.rendezvous import Rendezvous
+from mirrored.core.replica_meeting import ReplicaMeeting
 from mirrored.core.replica_set import ReplicaSet
 from mirrored.core.replica_workers import Outcome, ReplicaWorkers, close_threads
 from mirrored.core.values import PerReplica, flatten, map_structure
@@ -168,12 +168,14 @@ class PipelineStrategy(InProcessStrategy):
                 )
         return super().run(fn, args, kwargs)
 
-    def _execute(self, tasks: Sequence[Callable[[], Any]], rendezvous: Rendezvous) -> list[Outcome]:
+    def _execute(
+        self, tasks: Sequence[Callable[[], Any]], meeting: ReplicaMeeting
+    ) -> list[Outcome]:
         with StepSeed() as step_seed:
-            return self._run_pipelines(tasks, rendezvous, step_seed)
+            return self._run_pipelines(tasks, meeting, step_seed)
 
     def _run_pipelines(
-        self, tasks: Sequence[Callable[[], Any]], rendezvous: Rendezvous, step_seed: StepSeed
+        self, tasks: Sequence[Callable[[], Any]], meeting: ReplicaMeeting, step_seed: StepSeed
     ) -> list[Outcome]:
         for randomness in self._randomness:
             randomness.start_step(step_seed)
@@ -184,7 +186,7 @@ class PipelineStrategy(InProcessStrategy):
             ]
             pipeline.begin_run(
                 PipelineRun(
-                    rendezvous,
+                    meeting,
                     p * self.num_microbatches,
                     self.num_microbatches,
                     step_seed,
@@ -194,7 +196,7 @@ class PipelineStrategy(InProcessStrategy):
             )
         try:
             outcomes = self._workers.run(
-                tasks, self.timeout_seconds, rendezvous.abort, self._resync_now
+                tasks, self.timeout_seconds, meeting.abort, self._resync_now
             )
             if all(ok for ok, _ in outcomes) and self._pipelines:
                 # Gradients of backwards with no optimizer.step() in the run: into param.grad.
@@ -282,7 +284,7 @@ class PipelineStrategy(InProcessStrategy):
                 for each in optimizer.optimizers:
                     each.step()
             except BaseException as error:
-                replica.exchange.rendezvous.abort(error)
+                replica.exchange.meeting.abort(error)
                 raise
         replica.exchange.barrier("optimizer.step: pipelines updated")
 

@@ -1,11 +1,11 @@
 """Where the replica threads of one ``strategy.run`` meet to exchange values.
 
 Every sync point (an all-reduce, a merge call, ``optimizer.step``) is one ``exchange``: each
-replica posts a value and receives the list of all replicas' values. The rendezvous is what keeps
+replica posts a value and receives the list of all replicas' values. The meeting is what keeps
 a multi-replica step from hanging (with ``timeout_seconds=None`` a missing replica is waited for
-forever, by request):
+forever, by request; "rendezvous" is kept for the c10d store where a job's processes meet):
 
-- a replica that fails aborts the rendezvous, releasing every replica waiting at a sync point;
+- a replica that fails aborts the meeting, releasing every replica waiting at a sync point;
 - replicas that meet at different sync points (one in ``optimizer.step``, one in ``all_reduce``),
   or that make a different number of sync calls, get a ``SyncMismatchError`` naming both;
 - a replica that never arrives makes the others fail after ``timeout_seconds``, naming it.
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 __all__ = [
-    "Rendezvous",
+    "ReplicaMeeting",
     "ReplicaAbortedError",
     "ReplicaExchange",
     "SyncMismatchError",
@@ -49,7 +49,7 @@ def caused_by_timeout(error: BaseException | None) -> bool:
     )
 
 
-class Rendezvous:
+class ReplicaMeeting:
     """The meeting point of ``num_replicas`` threads for the duration of one run."""
 
     def __init__(self, num_replicas: int, timeout_seconds: float | None) -> None:
@@ -141,7 +141,7 @@ class Rendezvous:
 
     def waiting(self) -> dict[int, str]:
         """The replicas waiting at a sync point now, with its label; every replica when the
-        rendezvous is aborted (none of them will act on the step again)."""
+        meeting is aborted (none of them will act on the step again)."""
         with self._cond:
             if self.abort_reason is not None:
                 return dict.fromkeys(range(self.num_replicas), "aborted")
@@ -178,7 +178,7 @@ class Rendezvous:
 
 
 class ReplicaExchange:
-    """One replica's handle on the rendezvous, aware of CUDA streams.
+    """One replica's handle on the meeting, aware of CUDA streams.
 
     On CUDA each replica works on its own stream, so a value posted by one replica may still be
     being written by its stream: every receiver's stream waits on an event recorded at the post.
@@ -189,14 +189,14 @@ class ReplicaExchange:
 
     def __init__(
         self,
-        rendezvous: Rendezvous,
+        meeting: ReplicaMeeting,
         replica_id: int,
         device: torch.device,
         physical_gpus: tuple[int, ...],
     ) -> None:
-        self.rendezvous = rendezvous
+        self.meeting = meeting
         self.replica_id = replica_id
-        self.num_replicas = rendezvous.num_replicas
+        self.num_replicas = meeting.num_replicas
         self.device = device
         self._cuda = device.type == "cuda"
         self._gpus_to_synchronize = physical_gpus if len(physical_gpus) > 1 else ()
@@ -207,13 +207,13 @@ class ReplicaExchange:
         ``cross_device``: the caller reads or writes peers' tensors directly around this point.
         """
         if not self._cuda:
-            return self.rendezvous.exchange(self.replica_id, label, value)
+            return self.meeting.exchange(self.replica_id, label, value)
         if cross_device:
             for index in self._gpus_to_synchronize:
                 torch.cuda.synchronize(index)
         event = torch.cuda.Event()
         event.record()
-        posted = self.rendezvous.exchange(self.replica_id, label, (value, event))
+        posted = self.meeting.exchange(self.replica_id, label, (value, event))
         stream = torch.cuda.current_stream()
         for _, peer_event in posted:
             stream.wait_event(peer_event)

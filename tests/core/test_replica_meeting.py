@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import mirrored
-from mirrored.core.rendezvous import (
-    Rendezvous,
+from mirrored.core.replica_meeting import (
     ReplicaAbortedError,
+    ReplicaMeeting,
     SyncMismatchError,
     SyncTimeoutError,
 )
@@ -39,63 +39,63 @@ def _in_threads(num_replicas, body):
 
 
 def test_exchange_returns_every_value_in_replica_order():
-    rendezvous = Rendezvous(3, timeout_seconds=10)
-    outcomes = _in_threads(3, lambda i: [rendezvous.exchange(i, "x", i * 10) for _ in range(5)])
+    meeting = ReplicaMeeting(3, timeout_seconds=10)
+    outcomes = _in_threads(3, lambda i: [meeting.exchange(i, "x", i * 10) for _ in range(5)])
     assert outcomes == [[[0, 10, 20]] * 5] * 3
 
 
 def test_different_labels_are_a_mismatch_for_everyone():
-    rendezvous = Rendezvous(2, timeout_seconds=10)
-    outcomes = _in_threads(2, lambda i: rendezvous.exchange(i, f"point-{i}", None))
+    meeting = ReplicaMeeting(2, timeout_seconds=10)
+    outcomes = _in_threads(2, lambda i: meeting.exchange(i, f"point-{i}", None))
     assert all(isinstance(o, ReplicaAbortedError) for o in outcomes)
-    assert isinstance(rendezvous.abort_reason, SyncMismatchError)
-    assert "replica 0 at 'point-0'" in str(rendezvous.abort_reason)
+    assert isinstance(meeting.abort_reason, SyncMismatchError)
+    assert "replica 0 at 'point-0'" in str(meeting.abort_reason)
 
 
 def test_a_replica_that_returns_early_releases_the_waiting_one():
-    rendezvous = Rendezvous(2, timeout_seconds=10)
+    meeting = ReplicaMeeting(2, timeout_seconds=10)
 
     def body(replica_id):
         try:
             if replica_id == 1:
                 time.sleep(0.05)
                 return "done"
-            return rendezvous.exchange(replica_id, "optimizer.step", None)
+            return meeting.exchange(replica_id, "optimizer.step", None)
         finally:
-            rendezvous.finish(replica_id)
+            meeting.finish(replica_id)
 
     outcomes = _in_threads(2, body)
     assert isinstance(outcomes[0], ReplicaAbortedError) and outcomes[1] == "done"
-    assert "replica 0 waits at sync point 'optimizer.step'" in str(rendezvous.abort_reason)
+    assert "replica 0 waits at sync point 'optimizer.step'" in str(meeting.abort_reason)
 
 
 def test_an_exchange_completed_before_an_abort_returns_its_values():
     # Replica 1 completes the exchange and fails before replica 0 leaves its wait (it holds
-    # the rendezvous' lock until then): replica 0 has its values, and is released at its next
+    # the meeting' lock until then): replica 0 has its values, and is released at its next
     # sync point, as if it had left the wait first.
-    rendezvous = Rendezvous(2, timeout_seconds=10)
+    meeting = ReplicaMeeting(2, timeout_seconds=10)
 
     def body(replica_id):
         if replica_id == 0:
-            values = rendezvous.exchange(0, "x", "zero")
+            values = meeting.exchange(0, "x", "zero")
             with pytest.raises(ReplicaAbortedError):
-                rendezvous.exchange(0, "y", None)
+                meeting.exchange(0, "y", None)
             return values
-        while rendezvous.waiting() != {0: "x"}:
+        while meeting.waiting() != {0: "x"}:
             time.sleep(0.001)
-        with rendezvous._cond:  # keeps replica 0 in its wait until the abort
-            values = rendezvous.exchange(1, "x", "one")
-            rendezvous.abort(RuntimeError("replica 1 failed"))
+        with meeting._cond:  # keeps replica 0 in its wait until the abort
+            values = meeting.exchange(1, "x", "one")
+            meeting.abort(RuntimeError("replica 1 failed"))
         return values
 
     assert _in_threads(2, body) == [["zero", "one"]] * 2
 
 
 def test_a_missing_replica_times_out_with_its_id():
-    rendezvous = Rendezvous(3, timeout_seconds=0.2)
-    outcomes = _in_threads(3, lambda i: None if i == 2 else rendezvous.exchange(i, "x", i))
-    assert isinstance(rendezvous.abort_reason, SyncTimeoutError)
-    assert "replica(s) [2] did not reach sync point 'x'" in str(rendezvous.abort_reason)
+    meeting = ReplicaMeeting(3, timeout_seconds=0.2)
+    outcomes = _in_threads(3, lambda i: None if i == 2 else meeting.exchange(i, "x", i))
+    assert isinstance(meeting.abort_reason, SyncTimeoutError)
+    assert "replica(s) [2] did not reach sync point 'x'" in str(meeting.abort_reason)
     assert outcomes[2] is None
 
 
