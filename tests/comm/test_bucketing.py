@@ -85,3 +85,13 @@ def test_gradient_buckets_hold_every_parameter_once_and_one_dtype_each():
         assert bucket.numel == sum(shapes[i].numel() for i in bucket.indices)
         assert list(bucket.indices) == sorted(bucket.indices, reverse=True)  # backward order
     assert plan.buckets[0].indices == (5,)  # 120 bytes: alone, above the first cap
+
+
+def test_one_plan_per_set_of_shapes_and_dtypes():
+    """A collective repeated every step plans its buckets once: the same plan object for the
+    same shapes and dtypes, however they are spelled; another set gets its own."""
+    first = plan_buckets([torch.Size([3, 4]), (5,)], [torch.float32, torch.float32], 1)
+    again = plan_buckets(((3, 4), torch.Size([5])), (torch.float32, torch.float32), 1)
+    assert again is first
+    assert plan_buckets([(3, 4), (6,)], [torch.float32] * 2, 1) is not first
+    assert plan_buckets([(3, 4), (5,)], [torch.float32] * 2, 0) is not first

@@ -8,6 +8,7 @@ plan (:class:`GradientBucketPlan`) packs gradients in the order backward produce
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -47,7 +48,27 @@ def plan_buckets(
     backward runs can begin early.
     Otherwise ``num_packs`` buckets per dtype of about equal size (TensorFlow's meaning);
     ``num_packs == 0`` means no packing, one bucket per tensor.
+
+    One plan per set of shapes and dtypes: a collective repeated every step (synchronised batch
+    norm's statistics, local SGD's averages) plans its buckets once (plans are immutable).
     """
+    return _planned(
+        tuple(tuple(shape) for shape in shapes),
+        tuple(dtypes),
+        num_packs,
+        bytes_per_pack,
+        first_pack_bytes,
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _planned(
+    shapes: tuple[tuple[int, ...], ...],
+    dtypes: tuple[torch.dtype, ...],
+    num_packs: int,
+    bytes_per_pack: int,
+    first_pack_bytes: int,
+) -> tuple[Bucket, ...]:
     if num_packs < 0 or bytes_per_pack < 0 or first_pack_bytes < 0:
         raise ValueError(
             f"num_packs={num_packs}, bytes_per_pack={bytes_per_pack}, "
