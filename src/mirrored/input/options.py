@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
-__all__ = ["InputOptions", "input_settings"]
+__all__ = ["InputOptions", "checked_options", "input_settings"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,12 +42,14 @@ class InputOptions:
                 )
 
 
-def _checked(options: InputOptions | None) -> InputOptions:
+def checked_options(options: Any, argument: str = "options") -> InputOptions:
+    """``options`` itself, or the defaults for None; a TypeError naming ``argument`` for
+    anything but ``InputOptions``."""
     if options is None:
         return InputOptions()
     if not isinstance(options, InputOptions):
         raise TypeError(
-            f"options={options!r}: expected mirrored.InputOptions("
+            f"{argument}={options!r}: expected mirrored.InputOptions("
             "experimental_per_replica_buffer_size=..., batch_dim=...)"
         )
     return options
@@ -55,5 +58,5 @@ def _checked(options: InputOptions | None) -> InputOptions:
 def input_settings(options: InputOptions | None) -> tuple[int, int]:
     """``(batches read ahead, batch dimension)`` of ``options`` (a TypeError for anything but
     InputOptions)."""
-    options = _checked(options)
+    options = checked_options(options)
     return options.experimental_per_replica_buffer_size, options.batch_dim

@@ -18,6 +18,7 @@ from mirrored import metrics as metrics_module
 from mirrored import optimizers as optimizers_module
 from mirrored.core import context
 from mirrored.input import InputOptions
+from mirrored.input.options import checked_options
 from mirrored.training.data_adapter import DataAdapter, _is_array_structure
 from mirrored.training.metric_set import MetricSet
 from mirrored.training.steps import PRECISIONS
@@ -66,13 +67,20 @@ def check_can_compile(strategy: Any, fitting: bool) -> None:
 
 
 def checked_input_options(options: Any) -> InputOptions:
-    """``compile``'s ``input_options``: an ``InputOptions``, or None for the defaults."""
-    if options is not None and not isinstance(options, InputOptions):
-        raise TypeError(
-            f"input_options={options!r}: expected mirrored.InputOptions(batch_dim=..., "
-            "experimental_per_replica_buffer_size=...) or None"
+    """``compile``'s ``input_options`` (None: the defaults). Read-ahead is refused: fit keeps
+    the count of batches it consumed for ``BackupAndRestore``, and array data draws its order
+    from torch's generator as an epoch starts, both of which a reading thread would run ahead
+    of the training."""
+    checked = checked_options(options, "input_options")
+    if checked.experimental_per_replica_buffer_size:
+        raise ValueError(
+            f"compile(input_options=InputOptions(experimental_per_replica_buffer_size="
+            f"{checked.experimental_per_replica_buffer_size})): fit, evaluate and predict read "
+            "each batch as they run it; read ahead in the data instead (a DataLoader with "
+            "num_workers and prefetch_factor), or in a custom loop over "
+            "experimental_distribute_dataset"
         )
-    return options or InputOptions()
+    return checked
 
 
 def compiled_loss(loss: Any) -> losses_module.Loss | None:
@@ -169,7 +177,7 @@ def check_lr_scheduler(lr_scheduler: Any, optimizer: torch.optim.Optimizer, sche
 
 # -- fit -----------------------------------------------------------------------------------------
 def validation_adapter(
-    validation_data: Any, batch_size: int | None, batch_dim: int = 0
+    validation_data: Any, batch_size: int | None, batch_dim: int
 ) -> DataAdapter | None:
     if validation_data is None:
         return None

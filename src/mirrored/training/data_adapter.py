@@ -253,9 +253,14 @@ class DataAdapter:
                 )
             else:
                 take = functools.partial(
-                    torch.index_select, dim=self.batch_dim, index=order[start : start + length]
+                    _select, dim=self.batch_dim, index=order[start : start + length]
                 )
             yield map_structure(
                 lambda t, take=take: take(t) if isinstance(t, torch.Tensor) else t,
                 (x, y, weight),
             )
+
+
+def _select(tensor: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
+    """The examples ``index`` (drawn on the CPU) of ``tensor``, wherever it lives."""
+    return tensor.index_select(dim, index.to(tensor.device, non_blocking=True))

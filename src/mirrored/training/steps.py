@@ -220,6 +220,8 @@ def _batch_first(x: Any, targets: Targets, y_pred: Any, batch_dim: int) -> tuple
     does not (a ``[batch, classes]`` output of ``[seq, batch]`` inputs) is refused."""
     if batch_dim == 0:
         return targets, y_pred
+    if isinstance(y_pred, Mapping) and "logits" not in y_pred:
+        return _targets_first(targets, batch_dim), y_pred
     predicted = predictions(y_pred)
     size = batch_size_of(x, batch_dim)
     if isinstance(predicted, torch.Tensor) and (
@@ -235,8 +237,13 @@ def _batch_first(x: Any, targets: Targets, y_pred: Any, batch_dim: int) -> tuple
         y_pred = {**y_pred, "logits": _moved_first(predicted, batch_dim)}
     else:
         y_pred = _moved_first(y_pred, batch_dim)
+    return _targets_first(targets, batch_dim), y_pred
+
+
+def _targets_first(targets: Targets, batch_dim: int) -> Targets:
+    """``targets`` with dim ``batch_dim`` of each tensor moved first (views)."""
     moved = _moved_first((targets.y, targets.sample_weight, targets.mask), batch_dim)
-    return Targets(*moved), y_pred
+    return Targets(*moved)
 
 
 def to_device(structure: Any, device: torch.device) -> Any:
@@ -292,8 +299,15 @@ class Steps:
     def _outputs(self, batch: tuple[Any, Any, Any]) -> tuple[Any, Targets, Any]:
         """Forward on one batch: its inputs, and targets and predictions batch first."""
         x, y, sample_weight, y_pred = self._forward(batch)
-        targets = targets_of(x, y, sample_weight, shifts_labels(self.module))
-        return x, *_batch_first(x, targets, y_pred, self.input_options.batch_dim)
+        shifted, batch_dim = shifts_labels(self.module), self.input_options.batch_dim
+        if shifted and batch_dim:
+            raise ValueError(
+                f"InputOptions(batch_dim={batch_dim}) with a causal language model, whose "
+                "labels are shifted along their last dimension: give it batch-first data "
+                "(batch_dim=0), as Hugging Face models take"
+            )
+        targets = targets_of(x, y, sample_weight, shifted)
+        return x, *_batch_first(x, targets, y_pred, batch_dim)
 
     def _shard_loss(self, x: Any, targets: Targets, y_pred: Any) -> ShardLoss:
         """The compiled loss summed over the shard (each example's weighted mean loss element),
