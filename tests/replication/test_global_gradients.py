@@ -4,6 +4,7 @@ clipping, logging and updates by hand are exact, with or without a mirrored opti
 
 from __future__ import annotations
 
+import gc
 import time
 
 import pytest
@@ -55,6 +56,29 @@ def test_after_backward_every_replica_holds_the_global_gradient(optimizer_name):
     assert sorted(seen) == [0, 1, 2]
     for gradients in seen.values():
         for actual, wanted in zip(gradients, expected, strict=True):
+            assert_close_float64(actual, wanted)
+
+
+def test_gradients_stay_global_when_the_program_drops_the_mirrored_optimizer():
+    """``model = strategy.mirror(module, optimizer)[0]``: the parameters' hooks hold their
+    reducer weakly, so the mirrored module keeps it."""
+    batch = make_batches()[0]
+    seen: dict[int, list[torch.Tensor]] = {}
+    with mirrored.MirroredStrategy(DEVICES) as strategy:
+        module = make_mlp()
+        model = strategy.mirror(module, torch.optim.SGD(module.parameters(), lr=0.1))[0]
+        gc.collect()
+
+        def step(x, y):
+            loss = F.cross_entropy(model(x), y, reduction="none")
+            mirrored.compute_average_loss(loss).backward()
+            replica = mirrored.get_replica_context().replica_id_in_sync_group
+            seen[replica] = [p.grad.clone() for p in model.parameters()]
+
+        (shards,) = strategy.experimental_distribute_dataset([batch])
+        strategy.run(step, args=shards)
+    for gradients in seen.values():
+        for actual, wanted in zip(gradients, _global_gradients(batch), strict=True):
             assert_close_float64(actual, wanted)
 
 

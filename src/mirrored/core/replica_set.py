@@ -83,5 +83,6 @@ class ReplicaSet(Strategy):
 
     @abc.abstractmethod
     def at_close(self, release: Callable[[], None]) -> None:
-        """Call ``release`` when this strategy closes (what only its replicas needed: a
-        mirrored optimizer's patches of torch), if it has not run before."""
+        """Call ``release`` (a bound method, held weakly: a holder collected first has
+        released already) when this strategy closes: what only its replicas needed, such as a
+        mirrored optimizer's patches of torch."""

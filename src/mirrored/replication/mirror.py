@@ -35,7 +35,6 @@ from mirrored.replication.mirror_checks import (
 from mirrored.replication.mirror_features import NO_FEATURES, MirrorFeatures
 from mirrored.replication.mirrored_module import MIRRORED_BY, MirroredModule, tensors_of
 from mirrored.replication.mirrored_optimizer import MirroredOptimizer
-from mirrored.replication.optimizer_routes import holds_any
 from mirrored.replication.sharded_update import load_own_copy
 
 if TYPE_CHECKING:
@@ -45,7 +44,6 @@ __all__ = [
     "MirroredModule",
     "MirroredOptimizer",
     "check_optimizer_params",
-    "holds_any",
     "mirror_module",
     "parameter_shares",
     "replicate_optimizer",
@@ -115,6 +113,7 @@ def mirror_module(
         mirrored_optimizer = MirroredOptimizer(strategy, copies, own, stats, features)
         strategy.track_replicated(mirrored_optimizer)
         mirrored._optimizers.add(mirrored_optimizer)
+        mirrored.keep_reducer(mirrored_optimizer.update_plan.reducer)
         mirrored_optimizers.append(mirrored_optimizer)
     return (mirrored, *mirrored_optimizers)
 

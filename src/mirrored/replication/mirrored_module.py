@@ -64,7 +64,7 @@ _OWN_ATTRIBUTES = {
     "released",
     "_buffer_sync",
     "_outside_edits",
-    "_reducer",
+    "_reducers",
 }
 # nn.Module methods that would move or retype one replica only.
 _FORBIDDEN = {"to", "cuda", "cpu", "xpu", "half", "float", "double", "bfloat16", "type", "to_empty"}
@@ -105,7 +105,7 @@ class MirroredModule(SyncsBuffers, CarriesOutsideEdits):
         object.__setattr__(self, "released", False)
         object.__setattr__(self, "_buffer_sync", BufferSync(replicas))
         object.__setattr__(self, "_outside_edits", None)  # made when a strategy tracks it
-        object.__setattr__(self, "_reducer", None)  # its gradients' when no optimizer has them
+        object.__setattr__(self, "_reducers", [])  # what sums its gradients in backward
 
     def _current(self) -> nn.Module:
         replica = replica_context_of(self._strategy)
@@ -126,9 +126,12 @@ class MirroredModule(SyncsBuffers, CarriesOutsideEdits):
         self._buffer_sync.sync(replica)
 
     def keep_reducer(self, reducer: Any) -> None:
-        """Hold what sums the replicas' gradients in backward for a module mirrored without an
-        optimizer (one is kept alive by the optimizer otherwise)."""
-        object.__setattr__(self, "_reducer", reducer)
+        """Hold what sums (some of) the replicas' gradients in backward for as long as the
+        module trains: a module mirrored without an optimizer has one of its own, and one whose
+        mirrored optimizer the program dropped (``model, _ = strategy.mirror(m, opt)``) still
+        gets the global batch's gradients (the parameters' hooks hold reducers weakly)."""
+        if reducer is not None:
+            self._reducers.append(reducer)
 
     def carry_outside_edits(self) -> None:
         if self._outside_edits is None:  # a submodule's mirror: its root carries for it
@@ -254,8 +257,8 @@ class MirroredModule(SyncsBuffers, CarriesOutsideEdits):
                     param.grad = (
                         None if source.grad is None else source.grad.to(param.device, copy=True)
                     )
-        if self._reducer is not None:
-            self._reducer.reset()
+        for reducer in self._reducers:
+            reducer.reset()
         self.mark_outside_edits()
 
     def train(self, mode: bool = True) -> MirroredModule:

@@ -27,8 +27,7 @@ from mirrored.core.values import ReduceOp
 from mirrored.replication.gradient_reducer import OverlappedGradientReducer, check_dense
 from mirrored.replication.mirror_features import NO_FEATURES, MirrorFeatures
 from mirrored.replication.mirrored_module import replica_context_of
-from mirrored.replication.optimizer_routes import holds_any
-from mirrored.replication.replica_optimizers import ReplicaOptimizers
+from mirrored.replication.replica_optimizers import ReplicaOptimizers, holds_any
 from mirrored.replication.sharded_update import load_own_copy, state_bytes
 from mirrored.replication.update_plan import SyncPath, UpdatePlan, plan_updates
 from mirrored.torch_patches import hold_optimizer_routes

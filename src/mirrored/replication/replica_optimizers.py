@@ -10,15 +10,16 @@ replica 0's. What a step does is :mod:`mirrored.replication.mirrored_optimizer`'
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from mirrored.replication.mirrored_module import ReplicaHandles
 
-__all__ = ["ReplicaOptimizers"]
+__all__ = ["ReplicaOptimizers", "holds_any"]
 
 # The kinds of state-dict hooks a mirrored optimizer keeps (torch.optim.Optimizer's).
 _STATE_DICT_HOOKS = (
@@ -132,3 +133,12 @@ class ReplicaOptimizers(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"MirroredOptimizer(replicas={len(self.optimizers)}, optimizer={self.optimizer!r})"
+
+
+def holds_any(params: Iterable[nn.Parameter], tensor_ids: set[int]) -> bool:
+    """Whether any of ``tensor_ids`` is one of ``params`` or the gradient of one: what torch's
+    clipping, patched inside replicas (:mod:`mirrored.torch_patches`), asks of each mirrored or
+    pipelined optimizer before it reads gradients."""
+    return any(
+        id(p) in tensor_ids or (p.grad is not None and id(p.grad) in tensor_ids) for p in params
+    )

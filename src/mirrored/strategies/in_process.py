@@ -80,8 +80,9 @@ class InProcessStrategy(ReplicaSet):
         self._physical_gpus = tuple(
             sorted({d.physical.index for d in self.devices if d.device_type == "GPU"})
         )
-        # What is released when the strategy closes (a mirrored optimizer's patches of torch).
-        self._at_close: list[Callable[[], None]] = []
+        # What is released when the strategy closes (a mirrored optimizer's patches of torch),
+        # held weakly: what is collected first has released already.
+        self._at_close: list[weakref.WeakMethod[Callable[[], None]]] = []
         # Verify the replicas bit-identical before and after each run (a debugging aid).
         self.check_replicas = os.environ.get("MIRRORED_CHECK_REPLICAS", "") not in ("", "0")
 
@@ -225,14 +226,17 @@ class InProcessStrategy(ReplicaSet):
                 module.check_replicas("after a run")
 
     def at_close(self, release: Callable[[], None]) -> None:
-        self._at_close.append(release)
+        """``release`` must be a bound method; it is held weakly."""
+        self._at_close = [r for r in self._at_close if r() is not None]
+        self._at_close.append(weakref.WeakMethod(release))
 
     def _release_at_close(self) -> None:
-        """From ``close()``: what only this strategy's replicas needed goes (releases are
-        idempotent: a collected holder's already ran)."""
+        """From ``close()``, however it ends: what only this strategy's replicas needed goes."""
         releases, self._at_close = self._at_close, []
-        for release in releases:
-            release()
+        for reference in releases:
+            release = reference()
+            if release is not None:
+                release()
 
     def untrack_replicated(self, replicated: Replicated) -> None:
         """Stop resyncing ``replicated`` (a released mirror)."""

@@ -209,5 +209,7 @@ class MirroredStrategy(ReplicatedStrategy):
 
     def close(self) -> None:
         """Stop the worker threads; the strategy cannot run afterwards."""
-        close_threads(self._finalizer, lambda: self._workers.close(wait=True))
-        self._release_at_close()
+        try:
+            close_threads(self._finalizer, lambda: self._workers.close(wait=True))
+        finally:
+            self._release_at_close()

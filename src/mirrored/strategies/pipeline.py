@@ -61,7 +61,7 @@ from mirrored.replication.mirror import replicate_optimizer
 from mirrored.replication.mirror_checks import check_optimizer_params
 from mirrored.replication.mirrored_module import MirroredModule
 from mirrored.replication.mirrored_optimizer import MirroredOptimizer
-from mirrored.replication.optimizer_routes import holds_any
+from mirrored.replication.replica_optimizers import holds_any
 from mirrored.strategies.in_process import InProcessStrategy
 from mirrored.strategies.mirrored import default_devices
 
@@ -364,8 +364,10 @@ class PipelineStrategy(InProcessStrategy):
 
     def close(self) -> None:
         """Stop the replica and stage threads; the strategy cannot run afterwards."""
-        close_threads(self._finalizer, lambda: _stop(self._workers, self._pipelines))
-        self._release_at_close()
+        try:
+            close_threads(self._finalizer, lambda: _stop(self._workers, self._pipelines))
+        finally:
+            self._release_at_close()
 
 
 def _stop(workers: ReplicaWorkers, pipelines: list[Pipeline]) -> None:
