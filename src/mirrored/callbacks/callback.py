@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from mirrored.core.strategy import Strategy
 
-__all__ = ["Callback", "CallbackList", "FitState"]
+__all__ = ["Callback", "CallbackList", "FitPosition", "FitState"]
 
 Logs = dict[str, Any]
 # Where a fit is: (epoch, batches done in it, batches consumed from an iterator), the random

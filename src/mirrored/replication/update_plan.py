@@ -53,7 +53,9 @@ class UpdatePlan:
     def closure_refusal(self) -> str | None:
         """Why ``step(closure)`` cannot be exact under this plan (None: it can): each of the
         closure's backward passes must be summed as it runs."""
-        if self.reducer is None or self.window or self.local or self.zero:
+        if self.reducer is None or any(
+            feature is not None for feature in (self.window, self.local, self.zero)
+        ):
             return (
                 "optimizer.step(closure) needs the gradients summed in each backward the closure "
                 "runs: turn gradient_accumulation_steps, local_sgd and zero_stage off for LBFGS"

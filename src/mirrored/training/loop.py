@@ -112,7 +112,9 @@ class FitEpochs(Protocol):
     """One fit's epochs on one kind of strategy, prepared from its request (data checked);
     :func:`mirrored.training.trainer.fit` runs them."""
 
-    steps_per_epoch: int | None  # None when the data's length is unknown
+    @property
+    def steps_per_epoch(self) -> int | None:
+        """Batches per epoch; None when the data's length is unknown."""
 
     def first_epoch(self, run: FitRun) -> int:
         """The epoch to start at, once ``on_train_begin`` ran (a restored backup's, else the

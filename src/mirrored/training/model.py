@@ -25,7 +25,7 @@ from torch import nn
 
 from mirrored import checkpoint
 from mirrored import optimizers as optimizers_module
-from mirrored.callbacks.callback import Callback, CallbackList
+from mirrored.callbacks.callback import Callback, CallbackList, FitPosition
 from mirrored.callbacks.history import History
 from mirrored.core import context
 from mirrored.input import InputOptions
@@ -348,9 +348,10 @@ class Model:
 
     # -- for BackupAndRestore ----------------------------------------------------------------------
     def callbacks_in_fit(self) -> list[Callback]:
+        """The callbacks of the running fit, in the order they are called (none outside fit)."""
         return [] if self._run is None else list(self._run.callbacks.callbacks)
 
-    def fit_position(self) -> tuple[dict[str, Any], dict[str, Any] | None, list[Any]]:
+    def fit_position(self) -> FitPosition:
         """Where fit is (epoch, batches done in it, batches consumed from a one-shot iterator),
         the random state of the epoch's start, and the epoch's running metrics."""
         run = self._fit_run()
@@ -363,7 +364,8 @@ class Model:
         epoch_rng: dict[str, Any] | None,
         metrics: list[Any],
     ) -> None:
-        """Called from ``on_train_begin``: fit continues at ``progress``."""
+        """From ``on_train_begin`` (``BackupAndRestore``): fit continues at ``progress``, with
+        the random states and running metrics saved there."""
         self._fit_run().resume = {
             "progress": progress,
             "rng": rng,

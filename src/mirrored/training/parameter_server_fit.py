@@ -126,8 +126,7 @@ class ParameterServerEpochs:
     ) -> None:
         self._loop = loop
         self._iterator = iterator
-        self.steps_per_epoch: int | None = steps_per_epoch
-        self._steps = steps_per_epoch
+        self.steps_per_epoch = steps_per_epoch
         self._initial_epoch = initial_epoch
         self._on_worker: Steps | None = None
 
@@ -140,7 +139,7 @@ class ParameterServerEpochs:
         """Schedule an epoch's steps, reporting each as it comes back; then wait for all."""
         coordinator = self._loop.coordinator
         results: collections.deque[tuple[int, RemoteValue]] = collections.deque()
-        for step in range(self._steps):
+        for step in range(self.steps_per_epoch):
             run.callbacks.on_train_batch_begin(step)
             hyperparameters = _hyperparameters_of_next_step(run)
             value = coordinator.schedule(

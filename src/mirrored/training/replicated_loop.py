@@ -20,6 +20,7 @@ from mirrored import checkpoint
 from mirrored.input import global_batch_size_of
 from mirrored.random import rng_state
 from mirrored.replication.mirrored_module import MirroredModule
+from mirrored.strategies.in_process import InProcessStrategy
 from mirrored.training import saved_state
 from mirrored.training.data_adapter import DataAdapter
 from mirrored.training.evaluation import batch_logs, merge
@@ -86,7 +87,7 @@ class ReplicatedEpochs:
     fit keeps its place (epoch, batch, random state) for ``BackupAndRestore``, which can put a
     restarted fit back there, mid-epoch included."""
 
-    def __init__(self, strategy: Any, data: DataAdapter, initial_epoch: int) -> None:
+    def __init__(self, strategy: InProcessStrategy, data: DataAdapter, initial_epoch: int) -> None:
         self.strategy = strategy
         self.data = data
         self.steps_per_epoch = data.steps_per_epoch

@@ -21,22 +21,23 @@ __all__ = ["fit"]
 
 
 def fit(
-    epochs: FitEpochs,
-    last_epoch: int,
+    prepared: FitEpochs,
+    end_epoch: int,
     start: Callable[[int | None], AbstractContextManager[FitRun]],
 ) -> None:
-    """Train ``epochs`` up to ``last_epoch`` (exclusive) in the run ``start`` opens."""
-    with start(epochs.steps_per_epoch) as run:
+    """Train the ``prepared`` epochs until epoch ``end_epoch`` (the last is ``end_epoch - 1``)
+    in the run ``start`` opens."""
+    with start(prepared.steps_per_epoch) as run:
         run.callbacks.on_train_begin()
         epoch_logs: dict[str, Any] = {}
-        for epoch in range(epochs.first_epoch(run), last_epoch):
+        for epoch in range(prepared.first_epoch(run), end_epoch):
             run.begin_epoch(epoch)
-            trained = epochs.train_epoch(run, epoch)
+            trained = prepared.train_epoch(run, epoch)
             if trained is None:
                 break
             epoch_logs = trained
             run.end_epoch(epoch, epoch_logs)
             if run.stop_training:
                 break
-        epochs.finish(run)
+        prepared.finish(run)
         run.callbacks.on_train_end(epoch_logs)
