@@ -12,7 +12,7 @@ __all__ = ["InputOptions", "checked_options", "input_settings"]
 class InputOptions:
     """How a distributed dataset is read (TensorFlow's ``tf.distribute.InputOptions``): given
     to ``experimental_distribute_dataset``, or to ``Model.compile(input_options=...)`` for fit,
-    evaluate and predict.
+    evaluate and predict (``batch_dim`` only: they read each batch as they run it).
 
     Args:
         experimental_per_replica_buffer_size: global batches read, split and copied to the
