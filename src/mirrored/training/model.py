@@ -225,7 +225,7 @@ class Model:
         ``steps_per_execution``: batches per ``strategy.run`` (callbacks' batch hooks run once
         per execution). ``input_options``: how fit, evaluate and predict read batches
         (``InputOptions``): ``batch_dim=1`` for a sequence-first model, whose inputs, targets,
-        weights and predictions carry the batch in dim 1; read ahead.
+        weights and predictions carry the batch in dim 1 (read-ahead is refused).
         """
         arguments.check_can_compile(self.strategy, fitting=self._run is not None)
         loss_object = arguments.compiled_loss(loss)
