@@ -105,6 +105,21 @@ def test_a_state_saved_before_torch_added_hyperparameters_still_loads() -> None:
     assert fresh.param_groups[0]["foreach"] is None
 
 
+def test_a_parameter_group_key_the_optimizer_lacks_is_refused() -> None:
+    """Loaded, the key would join the group, and the model would refuse its own earlier
+    checkpoints (they lack it); a scheduler's 'initial_lr' is torch's own and passes."""
+    adam = _stepped(torch.optim.Adam(_net().parameters()))
+    saved = _snapshot(adam)
+    saved["param_groups"][0]["momentum_decay"] = 0.004
+    with pytest.raises(
+        ValueError, match=r"group 0 has \['momentum_decay'\], which the model's Adam"
+    ):
+        check_optimizer_state(adam, saved, "the file")
+    scheduled = _snapshot(adam)
+    scheduled["param_groups"][0]["initial_lr"] = 1e-3
+    check_optimizer_state(adam, scheduled, "the file")
+
+
 def test_each_parameter_is_checked_against_the_state_its_optimizer_keeps_for_its_shape() -> None:
     # Adafactor keeps row and column statistics for a matrix, one variance for a vector.
     module = _net()

@@ -131,6 +131,10 @@ def _check_layout(state_dict: Any, source: str) -> None:
         )
 
 
+# Keys torch adds to a parameter group after it is made: a scheduler's starting rate.
+_ADDED_BY_TORCH = {"initial_lr"}
+
+
 def _check_groups(
     builder: Callable[..., torch.optim.Optimizer] | None,
     kind: str,
@@ -156,6 +160,14 @@ def _check_groups(
             raise ValueError(
                 f"{where} has no {missing} ({_saved_by_hyperparameters(saved)}); the model's "
                 f"optimizer is {kind}"
+            )
+        # Loaded, a key the optimizer does not have would join its group, and the model would
+        # then refuse its own earlier checkpoints. LR schedulers add 'initial_lr' to a group.
+        extra = sorted(set(hyperparameters(saved)) - set(hyperparameters(group)) - _ADDED_BY_TORCH)
+        if extra:
+            raise ValueError(
+                f"{where} has {extra}, which the model's {kind} does not have "
+                f"({_saved_by_hyperparameters(saved)}); save and load the same optimizer"
             )
 
 
