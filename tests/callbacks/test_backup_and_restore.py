@@ -3,8 +3,10 @@ an uninterrupted run."""
 
 from __future__ import annotations
 
+import copy
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -202,6 +204,66 @@ def test_a_damaged_backup_is_refused_naming_the_part(tmp_path: Path) -> None:
     checkpoint.save(saved, backup.path)
     with pytest.raises(ValueError, match=r"damaged backup: \['progress'\]"):
         run(1, "arrays", [backup])
+
+
+def _damage(saved: dict[str, Any], part: str) -> None:
+    """Break one part of a backup the way a bad disk or an edited file would."""
+    if part == "weights":
+        saved["training"]["model"]["0.weight"] = torch.zeros(3, 3)
+    elif part == "optimizer":
+        saved["training"]["optimizer"]["param_groups"][0]["nesterov"] = True
+    elif part in ("rng", "epoch_rng"):
+        del saved[part]["python"]["version"]
+    elif part == "metrics":
+        saved["metrics"] = saved["metrics"][:1]
+    elif part == "callbacks":
+        saved["callbacks"][1]["state"] = {"best": "a string"}
+
+
+@pytest.mark.parametrize(
+    ("part", "named"),
+    [
+        ("weights", "0.weight"),
+        ("optimizer", "nesterov"),
+        ("rng", "'rng' is a damaged random state"),
+        ("epoch_rng", "'epoch_rng' is a damaged random state"),
+        ("metrics", "'metrics' does not fit"),
+        ("callbacks", "EarlyStopping"),
+    ],
+)
+def test_each_damaged_part_of_a_backup_restores_nothing(
+    tmp_path: Path, part: str, named: str
+) -> None:
+    """Every part is checked before any changes: the weights, the optimizer, the step count,
+    the callbacks' states and torch's random state stay as they were."""
+    backup = mirrored.callbacks.BackupAndRestore(tmp_path, save_freq=1, delete_checkpoint=False)
+    with pytest.raises(Crash):
+        run(2, "arrays", [CrashAt(20), backup])  # mid-epoch: an epoch_rng is saved
+    saved = checkpoint.load(backup.path)
+    _damage(saved, part)
+    checkpoint.save(saved, backup.path)
+    torch.manual_seed(1)
+    module = nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 5))
+    weights = {k: v.clone() for k, v in module.state_dict().items()}
+    early = mirrored.callbacks.EarlyStopping(monitor="loss", patience=5)
+    fresh = early.state_dict()
+    with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
+        with strategy.scope():
+            model = mirrored.Model(module)
+            model.compile(
+                optimizer="adam",
+                loss=mirrored.losses.SparseCategoricalCrossentropy(from_logits=True),
+                metrics=["accuracy"],
+            )
+        optimizer = copy.deepcopy(model.optimizer.state_dict())
+        random_state = torch.get_rng_state()
+        with pytest.raises(ValueError, match=re.escape(named)):
+            model.fit(*dataset(), batch_size=16, verbose=0, callbacks=[early, backup])
+        assert early.state_dict() == fresh
+        assert_identical(weights, model.state_dict())
+        assert model.optimizer.state_dict() == optimizer
+        assert model._progress.iterations == 0
+        assert torch.equal(torch.get_rng_state(), random_state)
 
 
 def test_a_restore_removes_what_a_write_killed_with_the_last_run_left(tmp_path: Path) -> None:

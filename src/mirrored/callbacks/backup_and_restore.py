@@ -18,6 +18,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from mirrored import checkpoint
 from mirrored.callbacks.callback import Callback, Logs
 from mirrored.callbacks.save_frequency import SaveFrequency, SaveFrequencyHooks
@@ -68,8 +70,15 @@ class BackupAndRestore(SaveFrequencyHooks, Callback):
         model (``Model.load_training_state``), and the callbacks take their old states back if
         any part fails to load."""
         backup = checkpoint.load(self.path)
-        _check_backup(backup, repr(str(self.path)))
+        source = repr(str(self.path))
+        _check_backup(backup, source)
         model = self.fit_model()
+        # Parts restored later in the epoch (random states, running metrics) are checked now,
+        # before the weights or the optimizer change.
+        rng_state.check(backup["rng"], f"{source}: 'rng'")
+        if backup["epoch_rng"] is not None:
+            rng_state.check(backup["epoch_rng"], f"{source}: 'epoch_rng'")
+        _check_layout(backup["metrics"], model.fit_position()[2], f"{source}: 'metrics'")
         others = self._other_callbacks()
         before = [callback.state_dict() for callback in others]
         try:
@@ -189,6 +198,42 @@ def _check_backup(backup: Any, source: str) -> None:
             f"{source} is a damaged backup: {broken} missing or malformed; nothing was restored. "
             "Delete it to start the training anew"
         )
+
+
+def _check_layout(saved: Any, current: Any, where: str) -> None:
+    """A ValueError unless ``saved`` is laid out as ``current`` is: the same keys, lengths,
+    types, and tensors of the same shapes and dtypes (the running metrics of this fit)."""
+    if isinstance(current, torch.Tensor):
+        fits = (
+            isinstance(saved, torch.Tensor)
+            and saved.shape == current.shape
+            and saved.dtype == current.dtype
+        )
+    elif isinstance(current, dict):
+        fits = isinstance(saved, dict) and saved.keys() == current.keys()
+    elif isinstance(current, list):
+        fits = isinstance(saved, list) and len(saved) == len(current)
+    else:
+        fits = type(saved) is type(current)
+    if not fits:
+        raise ValueError(
+            f"{where} does not fit this fit's metrics ({_described(saved)} where "
+            f"{_described(current)} belongs): compiled with other metrics? nothing was restored"
+        )
+    if isinstance(current, dict):
+        for key in current:
+            _check_layout(saved[key], current[key], f"{where}[{key!r}]")
+    elif isinstance(current, list):
+        for index, (mine, theirs) in enumerate(zip(saved, current, strict=True)):
+            _check_layout(mine, theirs, f"{where}[{index}]")
+
+
+def _described(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {list(value.shape)}"
+    if isinstance(value, (dict, list)):
+        return f"a {type(value).__name__} of {len(value)}"
+    return type(value).__name__
 
 
 def _keys(class_names: list[str]) -> list[tuple[str, int]]:

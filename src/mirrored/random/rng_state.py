@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["capture", "capture_torch", "restore", "restore_torch"]
+__all__ = ["capture", "capture_torch", "check", "restore", "restore_torch"]
 
 
 def capture_torch() -> dict[str, Any]:
@@ -65,3 +65,27 @@ def restore(state: dict[str, Any]) -> None:
     )
     python = state["python"]
     random.setstate((python["version"], tuple(python["state"]), python["gauss_next"]))
+
+
+def check(state: Any, source: str) -> None:
+    """A ValueError naming the part unless ``restore`` would take ``state`` whole: each part
+    is set into a throwaway generator of its kind, so nothing of the process's changes."""
+    if not isinstance(state, dict) or not {"torch", "numpy", "python"} <= set(state):
+        raise ValueError(
+            f"{source} is not a saved random state (expected 'torch', 'numpy' and 'python' "
+            f"parts, got {sorted(state) if isinstance(state, dict) else type(state).__name__})"
+        )
+    try:
+        torch.Generator().set_state(state["torch"])
+        numpy = state["numpy"]
+        keys = numpy["keys"].numpy().astype(np.uint32)
+        np.random.RandomState().set_state(
+            (numpy["kind"], keys, numpy["position"], numpy["has_gauss"], numpy["cached_gaussian"])
+        )
+        python = state["python"]
+        random.Random().setstate((python["version"], tuple(python["state"]), python["gauss_next"]))
+        cuda = state.get("cuda", [])
+        if not isinstance(cuda, list) or not all(isinstance(t, torch.Tensor) for t in cuda):
+            raise TypeError(f"'cuda' is {type(cuda).__name__}, expected a list of tensors")
+    except Exception as error:
+        raise ValueError(f"{source} is a damaged random state: {error!r}") from error
