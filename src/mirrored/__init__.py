@@ -38,6 +38,7 @@ from mirrored.core.values import PerReplica, ReduceOp, VariableAggregation
 from mirrored.input import DistributedDataset, InputContext, InputOptions, ValueContext
 from mirrored.input.load_balancing import LoadBalancing
 from mirrored.pipeline.split import balance_by_time
+from mirrored.preemption import Preempted, PreemptionWatcher
 from mirrored.random.activation_checkpoint import activation_checkpoint_contexts
 from mirrored.replication.buffer_sync import BufferAggregationWarning, set_buffer_aggregation
 from mirrored.replication.global_batch_loss import (
@@ -95,6 +96,8 @@ __all__ = [
     "PipelinedModule",
     "PipelinedOptimizer",
     "PowerSGD",
+    "Preempted",
+    "PreemptionWatcher",
     "ReduceOp",
     "ReductionToOneDevice",
     "ReplicaAbortedError",

@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,17 +37,29 @@ class Crash(Exception):
     pass
 
 
-class CrashAt(mirrored.callbacks.Callback):
-    """Raises after the given number of training batches (counted across epochs)."""
+class AfterBatches(mirrored.callbacks.Callback):
+    """Calls ``action`` at the end of the given training batch (counted across epochs)."""
 
-    def __init__(self, after_batches: int) -> None:
+    def __init__(self, after_batches: int, action: Callable[[], None]) -> None:
         super().__init__()
         self.remaining = after_batches
+        self.action = action
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
         self.remaining -= 1
         if self.remaining == 0:
-            raise Crash
+            self.action()
+
+
+def _crash() -> None:
+    raise Crash
+
+
+class CrashAt(AfterBatches):
+    """Raises ``Crash`` after the given number of training batches."""
+
+    def __init__(self, after_batches: int) -> None:
+        super().__init__(after_batches, _crash)
 
 
 def dataset() -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,6 +5,7 @@ propagate (the process exits 1 with the traceback in its output)."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 import time
@@ -616,6 +617,34 @@ def backup(out: Path, backup_dir: str) -> None:
         _save(strategy, out, {"weights": model.state_dict(), "history": history.history})
 
 
+def preempted(out: Path, backup_dir: str, sigterm_rank: str, after: str) -> None:
+    """fit with epoch backups; worker ``sigterm_rank`` is sent SIGTERM after ``after`` batches
+    (0: never), as a scheduler preempting one node would."""
+    x, y = fit_data()
+    seen = [0]
+
+    def maybe_terminate(batch: int, logs: Any) -> None:
+        seen[0] += 1
+        if os.environ.get("RANK") == sigterm_rank and seen[0] == int(after):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    with _strategy() as strategy:
+        with strategy.scope():
+            module = nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 5))
+            model = mirrored.Model(module)
+            compile_mlp(model)
+        terminate = mirrored.callbacks.LambdaCallback(on_train_batch_end=maybe_terminate)
+        history = model.fit(
+            x,
+            y,
+            batch_size=16,
+            epochs=3,
+            verbose=0,
+            callbacks=[terminate, mirrored.callbacks.BackupAndRestore(backup_dir)],
+        )
+        _save(strategy, out, {"weights": model.state_dict(), "history": history.history})
+
+
 class _SlowStore:
     """A store whose ``set`` takes a second once ``slow`` is set; ``entered`` says one began."""
 
@@ -721,6 +750,7 @@ JOBS: dict[str, Callable[..., None]] = {
         uneven_input,
         seeded_per_rank,
         backup,
+        preempted,
         heartbeat_at_close,
         zero,
         *parameter_server_jobs.JOBS,

@@ -73,3 +73,23 @@ def test_sigkill_under_the_launcher_resumes_to_the_uninterrupted_weights(tmp_pat
             assert torch.equal(actual["weights"][name], value), name
         assert actual["history"] == expected["history"]
     assert not (backup_dir / "backup.pt").exists()
+
+
+def test_sigterm_on_one_worker_backs_up_every_worker_at_the_same_step(tmp_path: Path) -> None:
+    """Any worker's SIGTERM counts for all: both back up after the same step and exit 143;
+    started again, they end with the uninterrupted run's weights."""
+    args = [str(tmp_path / "uninterrupted"), "1", "0"]
+    assert_all_succeeded(run_workers("preempted", tmp_path, 2, args=args, timeout=120))
+    expected = torch.load(tmp_path / "rank0.pt", weights_only=True)
+    backup_dir = tmp_path / "backup"
+    workers = run_workers("preempted", tmp_path, 2, args=[str(backup_dir), "1", "17"], timeout=120)
+    assert [w.returncode for w in workers] == [143, 143], [w.output[-1500:] for w in workers]
+    assert "backed up to" in workers[0].output and "at epoch 2, batch 4" in workers[0].output
+    assert_all_succeeded(
+        run_workers("preempted", tmp_path, 2, args=[str(backup_dir), "1", "0"], timeout=120)
+    )
+    for rank in (0, 1):
+        resumed = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        for name, value in expected["weights"].items():
+            assert torch.equal(resumed["weights"][name], value), (rank, name)
+        assert resumed["history"] == expected["history"]

@@ -209,6 +209,11 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
                 "reads (a shared filesystem), or copy the chief's file to every worker"
             )
 
+    def any_worker(self, flag: bool, what: str) -> bool:
+        flags = torch.tensor([1 if flag else 0], dtype=torch.int64, device=self._group.meta_device)
+        self._group.all_reduce(flags, f"whether any worker {what}")
+        return bool(flags.item())
+
     def __repr__(self) -> str:
         names = [d.short_name for d in self.devices]
         return (

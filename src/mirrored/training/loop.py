@@ -20,6 +20,7 @@ from mirrored.callbacks.backup_and_restore import BackupAndRestore
 from mirrored.callbacks.callback import Callback, CallbackList
 from mirrored.callbacks.history import History
 from mirrored.callbacks.progbar_logger import ProgbarLogger
+from mirrored.preemption import PreemptionWatcher
 from mirrored.training.data_adapter import DataAdapter
 from mirrored.training.saved_state import ModelParts, TrainingProgress
 from mirrored.training.steps import Steps
@@ -81,6 +82,11 @@ class FitRun:
     position: dict[str, Any]  # epoch, batches done in it, batches consumed from an iterator
     epoch_rng: dict[str, Any] | None = None  # the random state of the epoch's start
     resume: dict[str, Any] | None = None  # where a restored backup says to go on
+    preemption: PreemptionWatcher | None = None  # with a BackupAndRestore: SIGTERM recorded
+
+    def preemption_requested(self) -> bool:
+        """Whether any worker got SIGTERM (a collective with several: at a step boundary)."""
+        return self.preemption is not None and self.preemption.requested(self.model.strategy)
 
     @property
     def stop_training(self) -> bool:

@@ -101,24 +101,12 @@ class Model:
         """The learning rate of the next update, as Keras's ``optimizer.learning_rate``: the
         schedule's there, else the first parameter group's (a torch scheduler has moved it)."""
         optimizer = self._compiled_optimizer()
-        steps = self._compiled()
-        if steps.schedule is not None:
-            return steps.scheduled_learning_rate(self._progress.iterations)
-        return float(optimizer.param_groups[0]["lr"])
+        return self._compiled().learning_rate(optimizer, self._progress.iterations)
 
     @learning_rate.setter
     def learning_rate(self, value: float) -> None:
         optimizer = self._compiled_optimizer()
-        steps = self._compiled()
-        if steps.schedule is not None or steps.lr_scheduler is not None:
-            raise ValueError(
-                "the learning rate is driven by a schedule given to compile(); it cannot also "
-                "be set directly"
-            )
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"learning_rate={value!r}: expected a non-negative number")
-        for group in optimizer.param_groups:
-            group["lr"] = float(value)
+        self._compiled().set_learning_rate(optimizer, value)
 
     def _compiled_optimizer(self) -> torch.optim.Optimizer:
         if self.optimizer is None:
@@ -372,6 +360,11 @@ class Model:
             "epoch_rng": epoch_rng,
             "metrics": metrics,
         }
+
+    def preemption_requested(self) -> bool:
+        """Whether the job is being preempted (SIGTERM on any worker) while fit runs with a
+        ``BackupAndRestore``: a collective, asked at a step boundary."""
+        return self._run is not None and self._run.preemption_requested()
 
     def _fit_run(self) -> FitRun:
         if self._run is None:

@@ -279,6 +279,26 @@ class Steps:
         accumulation = getattr(self.optimizer, "accumulation_steps", 1)
         return float(self.schedule.learning_rate_at(iteration // accumulation))
 
+    def learning_rate(self, optimizer: torch.optim.Optimizer, iteration: int) -> float:
+        """The rate of the update batch ``iteration`` belongs to: the schedule's, else the first
+        parameter group's of ``optimizer`` (the compiled one; a torch scheduler moves it)."""
+        if self.schedule is not None:
+            return self.scheduled_learning_rate(iteration)
+        return float(optimizer.param_groups[0]["lr"])
+
+    def set_learning_rate(self, optimizer: torch.optim.Optimizer, value: float) -> None:
+        """Every parameter group's rate (``model.learning_rate = ...``), unless a schedule
+        drives it."""
+        if self.schedule is not None or self.lr_scheduler is not None:
+            raise ValueError(
+                "the learning rate is driven by a schedule given to compile(); it cannot also "
+                "be set directly"
+            )
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"learning_rate={value!r}: expected a non-negative number")
+        for group in optimizer.param_groups:
+            group["lr"] = float(value)
+
     def _device(self) -> torch.device:
         return _placement(self.module)[0]
 
