@@ -562,6 +562,24 @@ def different_models(out: Path) -> None:
         strategy.mirror(module, torch.optim.SGD(module.parameters(), 0.1))
 
 
+def different_settings(out: Path, where: str) -> None:
+    """Worker 1 builds its optimizer with another learning rate ("mirror"), or compiles with
+    another scheduler ("fit")."""
+    x, y = fit_data()
+    with _strategy() as strategy:
+        other = strategy.worker_group.rank == 1
+        module = make_mlp()
+        if where == "mirror":
+            strategy.mirror(module, torch.optim.SGD(module.parameters(), 0.2 if other else 0.1))
+            return
+        optimizer = torch.optim.SGD(module.parameters(), 0.1)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 5, gamma=0.9 if other else 0.5)
+        with strategy.scope():
+            model = mirrored.Model(module)
+            model.compile(optimizer, "sparse_categorical_crossentropy", lr_scheduler=scheduler)
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+
+
 def uneven_input(out: Path, kind: str) -> None:
     """Worker 1's dataset has one batch fewer: a list (its length tells) or a generator."""
     with _strategy() as strategy:
@@ -747,6 +765,7 @@ JOBS: dict[str, Callable[..., None]] = {
         hung_peer,
         mismatched_all_reduce,
         different_models,
+        different_settings,
         uneven_input,
         seeded_per_rank,
         backup,

@@ -550,6 +550,27 @@ def test_workers_with_different_models_fail_clearly(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
+    ("where", "message"),
+    [
+        (
+            "mirror",
+            "worker 1 has other settings of optimizer 0 than worker 0: "
+            "param_groups[0]['lr'] is 0.2 there, 0.1 on worker 0",
+        ),
+        ("fit", "worker 1 has other optimizer settings in fit than worker 0: lr_scheduler state"),
+    ],
+)
+def test_workers_with_different_optimizer_settings_fail_clearly(
+    tmp_path: Path, where: str, message: str
+) -> None:
+    """A learning rate set differently on one worker trained apart, silently."""
+    workers = run_workers("different_settings", tmp_path, args=[where])
+    for worker in workers:
+        assert worker.returncode != 0
+        assert message in worker.output, worker.output[-1500:]
+
+
+@pytest.mark.parametrize(
     ("kind", "message"),
     [
         ("list", "the workers' datasets have different lengths ([5, 4], by rank)"),

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["hyperparameters", "snapshot", "take_hyperparameters"]
+__all__ = ["hyperparameters", "plain_settings", "settings_of", "snapshot", "take_hyperparameters"]
 
 
 def hyperparameters(group: Mapping[str, Any]) -> dict[str, Any]:
@@ -70,3 +70,31 @@ def _own(mine: Any, value: Any, device: torch.device | None) -> Any:
             mine.copy_(value)
         return mine
     return _copied(value, device)
+
+
+def settings_of(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """An optimizer's kind and every group's hyperparameters, flat and JSON-plain
+    (``plain_settings``): what workers compare so that none trains with other settings."""
+    settings: dict[str, Any] = {"class": type(optimizer).__qualname__}
+    for index, group in enumerate(optimizer.param_groups):
+        for key, value in sorted(hyperparameters(group).items()):
+            settings[f"param_groups[{index}][{key!r}]"] = value
+    return plain_settings(settings)
+
+
+def plain_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """``settings`` with each value as JSON can carry it: tensors as lists, tuples as lists,
+    numbers, strings, booleans and None as they are, anything else by its ``repr``."""
+    return {str(key): _plain(value) for key, value in settings.items()}
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().tolist()
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return repr(value)

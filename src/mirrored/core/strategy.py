@@ -87,6 +87,12 @@ class Strategy(abc.ABC):
         """Raise ``ValueError`` unless every process that trains holds the same tensors in
         ``value`` (after a restore: processes that read different files would train apart)."""
 
+    def check_same_settings(self, settings: dict[str, Any], what: str) -> None:
+        """Raise ``ValueError`` naming the worker and the setting unless every process that
+        trains holds the same JSON-plain ``settings`` (an optimizer's hyperparameters, a
+        schedule): a collective where there are several; in one process, nothing to check."""
+        return None
+
     def any_worker(self, flag: bool, what: str) -> bool:
         """Whether ``flag`` is set on any process that trains (``what`` names it in errors): a
         collective where there are several, called by every one at the same point; in one

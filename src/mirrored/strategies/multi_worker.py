@@ -29,6 +29,7 @@ from mirrored.comm.options import (
 )
 from mirrored.comm.worker_group import WorkerGroup
 from mirrored.config import DeviceSpec, LogicalDevice
+from mirrored.core.param_groups import settings_of
 from mirrored.core.values import fingerprint
 from mirrored.input import (
     DistributedDataset,
@@ -209,6 +210,20 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
                 "reads (a shared filesystem), or copy the chief's file to every worker"
             )
 
+    def check_same_settings(self, settings: dict[str, Any], what: str) -> None:
+        everyone = self._group.all_gather_json(settings, f"checking {what}")
+        for rank, theirs in enumerate(everyone):
+            different = sorted(
+                k for k in {*theirs, *everyone[0]} if theirs.get(k) != everyone[0].get(k)
+            )
+            if different:
+                key = different[0]
+                raise ValueError(
+                    f"worker {rank} has other {what} than worker 0: {key} is "
+                    f"{theirs.get(key)!r} there, {everyone[0].get(key)!r} on worker 0 "
+                    f"(differing: {different}); every worker must train with the same settings"
+                )
+
     def any_worker(self, flag: bool, what: str) -> bool:
         flags = torch.tensor([1 if flag else 0], dtype=torch.int64, device=self._group.meta_device)
         self._group.all_reduce(flags, f"whether any worker {what}")
@@ -301,6 +316,11 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         buffers."""
         if isinstance(module, nn.Module) and not isinstance(module, MirroredModule):
             self._check_same_model(module)
+            for index, optimizer in enumerate(optimizers):
+                if isinstance(optimizer, torch.optim.Optimizer):
+                    self.check_same_settings(
+                        settings_of(optimizer), f"settings of optimizer {index}"
+                    )
             self._broadcast_from_chief(module)
         return super().mirror(module, *optimizers, sync_batch_norm=sync_batch_norm, **keywords)
 

@@ -95,6 +95,8 @@ class ReplicatedEpochs:
         self._resume: dict[str, Any] | None = None  # a restored backup, until its epoch runs
 
     def first_epoch(self, run: FitRun) -> int:
+        # After a restore: the workers' optimizers and schedules are the same, or nothing runs.
+        self.strategy.check_same_settings(run.steps.settings(), "optimizer settings in fit")
         self._resume, run.resume = run.resume, None
         if self._resume is None:
             return self._initial_epoch

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from mirrored import losses as losses_module
 from mirrored._torch_internals import amp_unscale_and_check_, code_of
 from mirrored.core.context import get_replica_context
+from mirrored.core.param_groups import plain_settings, settings_of
 from mirrored.core.values import ReduceOp, flatten, map_structure
 from mirrored.input import InputOptions, batch_size_of
 from mirrored.losses import broadcast_weight, compute_average_loss, scale_shard_mean
@@ -298,6 +299,18 @@ class Steps:
             raise ValueError(f"learning_rate={value!r}: expected a non-negative number")
         for group in optimizer.param_groups:
             group["lr"] = float(value)
+
+    def settings(self) -> dict[str, Any]:
+        """What every worker must train with alike: the optimizer's kind and hyperparameters,
+        a schedule of the learning rate, a torch scheduler's kind and state (JSON-plain)."""
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
+        settings = {} if optimizer is None else settings_of(optimizer)
+        if self.schedule is not None:
+            settings["schedule"] = repr(getattr(self.schedule, "learning_rate", self.schedule))
+        if self.lr_scheduler is not None:
+            settings["lr_scheduler"] = type(self.lr_scheduler).__qualname__
+            settings["lr_scheduler state"] = self.lr_scheduler.state_dict()
+        return plain_settings(settings)
 
     def _device(self) -> torch.device:
         return _placement(self.module)[0]
