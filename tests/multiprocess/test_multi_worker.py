@@ -541,6 +541,28 @@ def test_an_all_reduce_of_different_sizes_is_explained(
         ), worker.output[-1500:]
 
 
+@pytest.mark.parametrize(
+    ("cluster", "started", "message"),
+    [
+        ("torchrun", 0, "worker 1 (RANK=1) did not join the job within 3 s"),
+        ("tf_config", 0, "worker 1 (task worker:1 at 127.0.0.1:"),
+        ("tf_config", 1, "worker 1 (task worker:1 at 127.0.0.1:"),
+    ],
+)
+def test_a_worker_that_never_starts_is_named(
+    tmp_path: Path, cluster: str, started: int, message: str
+) -> None:
+    """The workers that did start fail after the timeout naming the one that did not (the
+    chief, for one that cannot reach it), not with torch's store keys."""
+    workers = start_workers(
+        "train_forever", tmp_path, 2, args=["3"], cluster=cluster, ranks=[started]
+    )
+    (worker,) = wait_workers(workers, timeout=60)
+    assert worker.returncode != 0
+    expected = message if started == 0 else "could not reach the chief's rendezvous store"
+    assert expected in worker.output, worker.output[-2000:]
+
+
 def test_workers_with_different_models_fail_clearly(tmp_path: Path) -> None:
     workers = run_workers("different_models", tmp_path)
     for worker in workers:

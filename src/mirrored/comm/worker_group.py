@@ -147,8 +147,17 @@ class WorkerGroup:
     def _start_process_group(self, resolver: ClusterResolver, timeout: datetime.timedelta) -> None:
         """The job's process group, over the rendezvous store that rank 0 hosts."""
         self.rank, self.world_size = resolver.rank, resolver.world_size
-        self._store, self._address = connect_store(resolver, timeout)
+        try:
+            self._store, self._address = connect_store(resolver, timeout)
+        except (RuntimeError, TimeoutError) as error:  # torch's DistStoreError among them
+            raise TimeoutError(
+                f"worker {resolver.rank} ({_task_of_rank(resolver, resolver.rank)}) could not "
+                f"reach the chief's rendezvous store at {resolver.master_addr}:"
+                f"{resolver.master_port} within {timeout.total_seconds():g} s: start the chief "
+                f"({_task_of_rank(resolver, 0)}) too, and check that its address is reachable"
+            ) from error
         self._prefix = f"mirrored/{resolver.restart_count}"
+        self._wait_for_every_worker(resolver, timeout)
         loopback = sockets_on_loopback(self._address[0]) if self.backend == "gloo" else None
         with loopback or contextlib.nullcontext():
             dist.init_process_group(
@@ -160,6 +169,28 @@ class WorkerGroup:
                 world_size=self.world_size,
                 timeout=timeout,
             )
+
+    def _wait_for_every_worker(
+        self, resolver: ClusterResolver, timeout: datetime.timedelta
+    ) -> None:
+        """Every worker checks in at the store before the process group forms, so that one
+        that never started is named (torch's own wait names only its keys)."""
+        joined = [f"{self._prefix}/joined/{rank}" for rank in range(self.world_size)]
+        self._store.set(joined[self.rank], "1")
+        try:
+            self._store.wait(joined, timeout)
+        except RuntimeError as error:  # DistStoreError: the wait timed out
+            missing = [
+                f"worker {rank} ({_task_of_rank(resolver, rank)})"
+                for rank, key in enumerate(joined)
+                if not self._store.check([key])
+            ]
+            raise TimeoutError(
+                f"{', '.join(missing) or 'a worker'} did not join the job within "
+                f"{timeout.total_seconds():g} s (worker {self.rank} waited): start every worker "
+                "of the job (the same script, each with its own rank or TF_CONFIG task), or "
+                "raise timeout_seconds if they start slowly"
+            ) from error
 
     def __repr__(self) -> str:
         return f"WorkerGroup(rank={self.rank}, world_size={self.world_size}, {self.transport})"
@@ -424,3 +455,18 @@ def _signed(label: str, tensor: torch.Tensor) -> str:
     collective on different tensors (which gloo cannot tell, and waits on until the timeout)
     show where they differ in the error that names them."""
     return f"{label} [{tensor.numel()} x {str(tensor.dtype).removeprefix('torch.')}]"
+
+
+def _task_of_rank(resolver: ClusterResolver, rank: int) -> str:
+    """The TF_CONFIG task and address of ``rank`` (the chief, then the workers), where the
+    cluster is known; else its rank under torchrun."""
+    spec = resolver.cluster_spec()
+    tasks = [
+        (job, i, address)
+        for job in ("chief", "worker")
+        for i, address in enumerate(spec.get(job, []))
+    ]
+    if rank < len(tasks):
+        job, index, address = tasks[rank]
+        return f"task {job}:{index} at {address}"
+    return f"RANK={rank}"
