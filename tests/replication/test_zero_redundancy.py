@@ -350,3 +350,13 @@ def test_a_frozen_layers_state_is_kept_and_a_schedule_reaches_every_owner() -> N
             schedule.step()
         assert_same_parameters(expected, mirrored_model.module)
         assert_same_state(optimizers[0].state_dict(), optimizer.state_dict())
+
+
+def test_zero_on_replicas_sharing_one_device_s_memory_says_it_saves_nothing() -> None:
+    """They already keep one optimizer state (owner updates); ZeRO only adds buffers there. The
+    warning points at the program's line."""
+    with mirrored.MirroredStrategy(["cpu:0", "cpu:1"], zero_stage=1) as strategy:
+        module = make_mlp()
+        with pytest.warns(UserWarning, match=r"zero_stage=1 saves no memory on 2 replicas") as seen:
+            strategy.mirror(module, torch.optim.Adam(module.parameters()))
+    assert seen[0].filename == __file__

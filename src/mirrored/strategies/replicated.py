@@ -10,6 +10,7 @@ sharded optimizer state (:mod:`mirrored.replication.zero_redundancy`).
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, overload
@@ -19,6 +20,7 @@ import torch
 from mirrored.comm.cross_device_ops import CrossDeviceOps, HierarchicalCopyAllReduce
 from mirrored.config import LogicalDevice
 from mirrored.core import context
+from mirrored.core.user_frames import user_stacklevel
 from mirrored.replication.accumulation import AccumulationWindow, check_accumulation_steps
 from mirrored.replication.global_batch_loss import check_loss_scaling
 from mirrored.replication.local_sgd import LocalSGD, LocalSteps
@@ -169,6 +171,16 @@ class ReplicatedStrategy(InProcessStrategy, MirrorFeatures):
         ``zero_stage=0`` every replica keeps all of it)."""
         if self.zero_stage == 0:
             return None
+        physical = {d.physical for d in self.devices}
+        if self.communicator.workers is None and len(physical) == 1:
+            warnings.warn(
+                f"zero_stage={self.zero_stage} saves no memory on {len(self.devices)} replicas "
+                f"sharing one device's memory ({next(iter(physical))}): they already keep one "
+                "optimizer state, each parameter updated by its owner, and ZeRO adds buffers "
+                "per replica (a higher peak). Use zero_stage=0 here; ZeRO pays across GPUs or "
+                "worker processes",
+                stacklevel=user_stacklevel(),
+            )
         return ZeroRedundancy(self.zero_stage, optimizers, params, self.communicator)
 
 
