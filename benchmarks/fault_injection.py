@@ -1,6 +1,11 @@
 """Fault injection: a worker killed (SIGKILL) at a random moment of a job under ``mirrored launch``.
 
     python benchmarks/fault_injection.py --runs 50
+    python benchmarks/fault_injection.py --runs 20 --signal term   # preemption instead
+
+With ``--signal term`` the worker is sent SIGTERM, as a scheduler preempting its node would:
+its ``BackupAndRestore`` backs up at the next step boundary on both workers (any worker's SIGTERM
+counts for all), both exit with code 143, the launcher starts them again, and they resume there.
 
 The job: ``MultiWorkerMirroredStrategy`` on 2 workers over gloo
 (``CommunicationImplementation.RING``), ``Model.fit`` of a small MLP with dropout for 4 epochs of
@@ -143,9 +148,11 @@ def _first_start(out: Path, launcher: subprocess.Popen[bytes], rank: int | None)
     return None
 
 
-def launch_once(root: Path, kill_at: float | None, rank: int) -> Run:
-    """One launch in ``root``; with ``kill_at``, SIGKILL worker ``rank``'s newest process that
-    many seconds after the rank's first process started."""
+def launch_once(
+    root: Path, kill_at: float | None, rank: int, sent: signal.Signals = signal.SIGKILL
+) -> Run:
+    """One launch in ``root``; with ``kill_at``, send ``sent`` to worker ``rank``'s newest
+    process that many seconds after the rank's first process started."""
     out, backup, temp = root / "out", root / "backup", root / "tmp"
     for folder in (out, temp):
         folder.mkdir(parents=True)
@@ -171,8 +178,11 @@ def launch_once(root: Path, kill_at: float | None, rank: int) -> Run:
                     ]
                     if running:
                         attempt, pid = max(running)
-                        os.kill(pid, signal.SIGKILL)
-                        killed = f"rank {rank} (attempt {attempt}) {kill_at:.2f} s after its start"
+                        os.kill(pid, sent)
+                        killed = (
+                            f"rank {rank} (attempt {attempt}, {sent.name}) {kill_at:.2f} s after "
+                            "its start"
+                        )
             status = launcher.wait(timeout=600)
         finally:
             if launcher.poll() is None:
@@ -198,6 +208,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=50, help="runs with a kill (50)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the kills' moments (0)")
+    parser.add_argument(
+        "--signal",
+        choices=["kill", "term"],
+        default="kill",
+        help="SIGKILL (a crash, the default) or SIGTERM (a preemption)",
+    )
     args = parser.parse_args()
     if args.runs < 1:
         parser.error(f"--runs {args.runs}: pass a positive number of runs")
@@ -216,7 +232,8 @@ def main() -> None:
     totals = dict.fromkeys(["kills", "exact", "failed", "restarted", "finished", "leftovers"], 0)
     for index in range(args.runs):
         kill_at, rank = chooser.uniform(0, reference.seconds), chooser.randrange(2)
-        run = launch_once(workspace / f"run{index}", kill_at, rank)
+        sent = signal.SIGTERM if args.signal == "term" else signal.SIGKILL
+        run = launch_once(workspace / f"run{index}", kill_at, rank, sent)
         exact = all(digest == expected for digest in run.digests.values())
         totals["kills"] += run.killed is not None
         totals["exact"] += exact
