@@ -1,4 +1,4 @@
-"""Checkpoint files: written atomically, read without unpickling code, loaded all-or-nothing.
+"""Checkpoint files: written atomically, read without unpickling code, verified, all-or-nothing.
 
 A checkpoint is a plain structure of tensors, numbers, strings, lists and dicts, so that
 ``torch.load(path, weights_only=True)`` reads it and a file from an untrusted source cannot run
@@ -8,6 +8,12 @@ of one. The temporary file of a writer killed mid-write is named after its targe
 process, so the next write of that target (or ``remove_stale_temporaries``) removes it once that
 process has ended, and never another live writer's. A write that fails (a full disk, a read-only
 folder) raises an ``OSError`` saying so and leaves the last good file as it was.
+
+Every file carries checksums (``checksums.py``): a CRC32 of each member of the zip archive
+``torch.save`` writes, one per tensor storage and one for the rest, in one more member, so that
+``torch.load`` still reads the file as before. ``load`` checks them before it returns anything:
+a damaged, truncated or foreign file is a ``ValueError`` naming it and, where known, the entry;
+a file written before checksums loads with a warning that it was not verified.
 """
 
 from __future__ import annotations
@@ -15,17 +21,17 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import pickle
 import re
 import secrets
 import socket
-import zipfile
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from mirrored.checkpoint.checksums import add_checksums, check_archive, unreadable
 from mirrored.core.state_checks import check_module_state, first_non_finite
 
 __all__ = [
@@ -50,8 +56,9 @@ _REASONS = {
 
 
 def save(obj: Any, path: PathLike) -> Path:
-    """Write ``obj`` to ``path`` atomically (write, fsync, rename, fsync the folder), first
-    removing what killed writers of ``path`` left (``remove_stale_temporaries``)."""
+    """Write ``obj`` to ``path`` atomically (write, fsync, rename, fsync the folder), with
+    checksums, first removing what killed writers of ``path`` left
+    (``remove_stale_temporaries``)."""
     target = Path(path)
     temporary = target.with_name(
         f".{target.name}.{_machine()}.{os.getpid()}.{secrets.token_hex(4)}{_SUFFIX}"
@@ -59,10 +66,7 @@ def save(obj: Any, path: PathLike) -> Path:
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_temporaries(target)
-        with open(temporary, "xb") as file:
-            torch.save(obj, file)
-            file.flush()
-            os.fsync(file.fileno())
+        _write(obj, temporary)
         os.replace(temporary, target)
     except BaseException as error:
         with contextlib.suppress(OSError):
@@ -72,6 +76,15 @@ def save(obj: Any, path: PathLike) -> Path:
         raise
     _fsync_folder(target.parent)
     return target
+
+
+def _write(obj: Any, temporary: Path) -> None:
+    """``torch.save`` into a new file with its checksums, flushed to disk."""
+    with open(temporary, "x+b") as file:
+        torch.save(obj, file)
+        add_checksums(file)
+        file.flush()
+        os.fsync(file.fileno())
 
 
 def remove_stale_temporaries(path: PathLike) -> list[Path]:
@@ -148,18 +161,31 @@ def _fsync_folder(folder: Path) -> None:
 
 
 def load(path: PathLike, map_location: str | torch.device = "cpu") -> Any:
-    """Read a checkpoint with ``weights_only=True``; a missing or unreadable file is an error
-    that names it."""
+    """Read a checkpoint with ``weights_only=True``, checked against its checksums before
+    anything is returned. A missing file is a ``FileNotFoundError``; a damaged, truncated or
+    foreign one a ``ValueError`` naming it and, where known, the entry; one without checksums
+    (written before them, or by ``torch.save``) loads with a ``UserWarning``."""
     source = Path(path)
     if not source.is_file():
         raise FileNotFoundError(f"no checkpoint at {str(source)!r}")
-    try:
-        return torch.load(source, map_location=map_location, weights_only=True)
-    except (pickle.UnpicklingError, zipfile.BadZipFile, RuntimeError, EOFError) as error:
-        raise ValueError(
-            f"{str(source)!r} is not a readable checkpoint (truncated, corrupt, or it holds "
-            f"objects other than tensors, numbers, strings, lists and dicts): {error}"
-        ) from error
+    with open(source, "rb") as file:
+        checked = check_archive(file, source)
+        if checked is None:
+            warnings.warn(
+                f"checkpoint {str(source)!r} has no checksums (written before mirrored added "
+                "them, or by torch.save): it was loaded without being verified; save it again "
+                "to add them",
+                UserWarning,
+                stacklevel=2,
+            )
+        file.seek(0)
+        try:
+            loaded = torch.load(file, map_location=map_location, weights_only=True)
+        except Exception as error:  # torch's decoding errors: RuntimeError, KeyError, OSError...
+            raise unreadable(source, error) from error
+        if checked is not None:
+            checked.check_storages(loaded)
+    return loaded
 
 
 def load_module_state(module: Any, state_dict: Mapping[str, Any], source: str) -> None:
