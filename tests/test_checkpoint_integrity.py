@@ -1,13 +1,18 @@
 """checkpoint's checksums: every flipped bit and every truncation of each kind of file mirrored
 writes is refused with a ValueError naming the file, or loads exactly the original values; a
-file without checksums loads with a warning."""
+file without checksums loads with a warning; an interrupted save raises KeyboardInterrupt."""
 
 from __future__ import annotations
 
+import contextlib
 import io
+import os
 import random
 import shutil
+import signal
 import struct
+import threading
+import time
 import warnings
 import zipfile
 from pathlib import Path
@@ -282,3 +287,135 @@ def test_a_damaged_file_without_checksums_is_a_value_error(tmp_path: Path) -> No
     )
     with pytest.warns(UserWarning), pytest.raises(ValueError, match=r"old\.pt' is not a readable"):
         checkpoint.load(tmp_path / "old.pt")
+
+
+# -- interrupts --------------------------------------------------------------------------------
+
+
+class FailingFile(io.BufferedRandom):
+    """A real file whose write number ``fail_at`` raises ``failure``."""
+
+    def __init__(self, path: str | os.PathLike[str], fail_at: int, failure: BaseException) -> None:
+        super().__init__(io.FileIO(path, "x+"))
+        self.writes, self.fail_at, self.failure = 0, fail_at, failure
+
+    def write(self, data: Any) -> int:
+        self.writes += 1
+        if self.writes == self.fail_at:
+            raise self.failure
+        return super().write(data)
+
+
+def _temporaries(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
+
+
+@pytest.mark.parametrize("fail_at", [1, 3, 6, 12])  # the pickle, a header, tensor data, the end
+@pytest.mark.parametrize(
+    ("failure", "expected"),
+    [(KeyboardInterrupt(), KeyboardInterrupt), (OSError(28, "No space left"), OSError)],
+    ids=["interrupt", "disk full"],
+)
+def test_a_failed_write_is_raised_as_itself(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    fail_at: int,
+    failure: BaseException,
+    expected: type[BaseException],
+) -> None:
+    """torch's writer turns what its write callback raised into a RuntimeError: not here."""
+    path = checkpoint.save({"version": 1}, tmp_path / "c.pt")
+    state = {f"w{i}": torch.randn(64) for i in range(4)}
+
+    def failing_open(file: str, mode: str) -> FailingFile:
+        return FailingFile(file, fail_at, failure)
+
+    monkeypatch.setattr(checkpoint, "open", failing_open, raising=False)
+    with pytest.raises(expected):
+        checkpoint.save(state, path)
+    monkeypatch.undo()
+    assert _load(path) == {"version": 1}
+    assert _temporaries(tmp_path) == []
+
+
+def test_a_write_failure_torch_swallows_is_raised(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = checkpoint.save({"version": 1}, tmp_path / "c.pt")
+
+    def swallowing(obj: Any, file: Any) -> None:
+        with contextlib.suppress(BaseException):
+            file.write(b"partial")
+
+    def failing_open(file: str, mode: str) -> FailingFile:
+        return FailingFile(file, 1, KeyboardInterrupt())
+
+    monkeypatch.setattr(checkpoint, "open", failing_open, raising=False)
+    monkeypatch.setattr(torch, "save", swallowing)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save({"version": 2}, path)
+    monkeypatch.undo()
+    assert _load(path) == {"version": 1}
+    assert _temporaries(tmp_path) == []
+
+
+def _converting(swallow: bool) -> Any:
+    """A torch.save that gets a Ctrl-C where it is no write's (pickling, its C++ writer) and
+    turns it into a RuntimeError, or into nothing, leaving no trace of it."""
+
+    def save(obj: Any, file: Any) -> None:
+        file.write(b"partial")
+        interrupted = False
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # Python runs the handler here, at once
+        except KeyboardInterrupt:
+            interrupted = True
+        if interrupted and not swallow:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos")
+
+    return save
+
+
+@pytest.mark.parametrize("swallow", [False, True], ids=["turned into a RuntimeError", "lost"])
+def test_ctrl_c_anywhere_in_the_write_is_raised_as_itself(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, swallow: bool
+) -> None:
+    path = checkpoint.save({"version": 1}, tmp_path / "c.pt")
+    monkeypatch.setattr(torch, "save", _converting(swallow))
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save({"version": 2}, path)
+    monkeypatch.undo()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert _load(path) == {"version": 1}
+    assert _temporaries(tmp_path) == []
+
+
+@pytest.mark.skipif(
+    threading.current_thread() is not threading.main_thread(), reason="signals need the main thread"
+)
+def test_ctrl_c_during_saves_raises_keyboard_interrupt_and_keeps_a_good_file(
+    tmp_path: Path,
+) -> None:
+    """Real SIGINTs at random moments of saves, until some landed inside torch's writer (where
+    it turns them into a RuntimeError): every one is a KeyboardInterrupt, the file on disk
+    always a good one, no temporary left."""
+    path = checkpoint.save({"version": 0}, tmp_path / "c.pt")
+    state = {f"w{i}": torch.randn(128, 256) for i in range(16)}  # 2 MiB
+    rng = random.Random(0)
+    in_writer = 0
+    for _ in range(300):
+        timer = threading.Timer(rng.uniform(0, 0.02), os.kill, (os.getpid(), signal.SIGINT))
+        with pytest.raises(KeyboardInterrupt) as interrupt:
+            timer.start()
+            while True:
+                checkpoint.save(state, path)
+        timer.join()
+        in_writer += isinstance(interrupt.value.__context__, RuntimeError)
+        assert _temporaries(tmp_path) == []
+        if in_writer >= 3:
+            break
+    assert in_writer >= 3, "no Ctrl-C landed inside torch's writer: the test saw nothing"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    loaded = _load(path)
+    assert loaded == {"version": 0} or _identical(loaded, state)

@@ -7,7 +7,8 @@ the target: a process killed at any moment leaves either the old file or the new
 of one. The temporary file of a writer killed mid-write is named after its target, machine and
 process, so the next write of that target (or ``remove_stale_temporaries``) removes it once that
 process has ended, and never another live writer's. A write that fails (a full disk, a read-only
-folder) raises an ``OSError`` saying so and leaves the last good file as it was.
+folder) raises an ``OSError`` saying so, and a Ctrl-C raises ``KeyboardInterrupt``, not the
+``RuntimeError`` torch's writer turns it into; either way the last good file stays as it was.
 
 Every file carries checksums (``checksums.py``): a CRC32 of each member of the zip archive
 ``torch.save`` writes, one per tensor storage and one for the rest, in one more member, so that
@@ -23,11 +24,14 @@ import errno
 import os
 import re
 import secrets
+import signal
 import socket
+import threading
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from types import FrameType
+from typing import IO, Any, cast
 
 import torch
 
@@ -79,12 +83,67 @@ def save(obj: Any, path: PathLike) -> Path:
 
 
 def _write(obj: Any, temporary: Path) -> None:
-    """``torch.save`` into a new file with its checksums, flushed to disk."""
-    with open(temporary, "x+b") as file:
-        torch.save(obj, file)
+    """``torch.save`` into a new file with its checksums, flushed to disk. A failure of the
+    write itself (a full disk, Ctrl-C) is raised as itself: torch's writer turns an exception
+    raised in its write callback into a ``RuntimeError`` ("enforce fail at
+    inline_container.cc"), a third of the Ctrl-Cs pressed during a save in our runs."""
+    with _interrupts_noted() as interrupts, open(temporary, "x+b") as file:
+        written = _RecordingFile(file)
+        try:
+            torch.save(obj, cast("IO[bytes]", written))  # torch calls only write and flush
+        except Exception as error:
+            raise (interrupts[0] if interrupts else None) or written.failure or error from None
+        failure = (interrupts[0] if interrupts else None) or written.failure
+        if failure is not None:  # one that torch's writer swallowed
+            raise failure
         add_checksums(file)
         file.flush()
         os.fsync(file.fileno())
+
+
+class _RecordingFile:
+    """The file ``torch.save`` writes through, which keeps the first exception a write
+    raised."""
+
+    def __init__(self, file: IO[bytes]) -> None:
+        self._file = file
+        self.failure: BaseException | None = None
+
+    def write(self, data: bytes) -> int:
+        try:
+            return self._file.write(data)
+        except BaseException as error:
+            self.failure = self.failure or error
+            raise
+
+    def flush(self) -> None:
+        self._file.flush()
+
+
+@contextlib.contextmanager
+def _interrupts_noted() -> Iterator[list[KeyboardInterrupt]]:
+    """Note each Ctrl-C of the block (raised as usual, at once) in the list yielded, so that it
+    surfaces even where the code it lands in turns it into another error. Only on the main
+    thread, the one Python runs signal handlers on, and only under Python's own handler: one the
+    program installed is left alone."""
+    noted: list[KeyboardInterrupt] = []
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield noted
+        return
+
+    def note(signum: int, frame: FrameType | None) -> None:
+        noted.append(KeyboardInterrupt())
+        raise noted[-1]
+
+    signal.signal(signal.SIGINT, note)
+    try:
+        yield noted
+    finally:
+        if signal.getsignal(signal.SIGINT) is note:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def remove_stale_temporaries(path: PathLike) -> list[Path]:
