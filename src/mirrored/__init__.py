@@ -61,6 +61,7 @@ from mirrored.strategies.multi_worker import (
     CommunicationOptions,
     MultiWorkerMirroredStrategy,
 )
+from mirrored.strategies.one_device import OneDeviceStrategy
 from mirrored.strategies.pipeline import PipelinedModule, PipelinedOptimizer, PipelineStrategy
 from mirrored.training import Model
 
@@ -90,6 +91,7 @@ __all__ = [
     "MirroredStrategy",
     "MultiWorkerMirroredStrategy",
     "NcclAllReduce",
+    "OneDeviceStrategy",
     "ParameterServerStrategy",
     "PerReplica",
     "PipelineStrategy",
