@@ -33,53 +33,45 @@ def _global_gradients(batch) -> list[torch.Tensor]:
     return [p.grad for p in model.parameters()]
 
 
-@pytest.mark.parametrize("optimizer_name", [None, *sorted(OPTIMIZERS)])
-def test_after_backward_every_replica_holds_the_global_gradient(optimizer_name):
+def _assert_gradients_global_after_backward(strategy, model) -> None:
+    """One step's backward on every replica; each replica's ``.grad`` must then be the global
+    batch's gradient."""
     batch = make_batches()[0]
     seen: dict[int, list[torch.Tensor]] = {}
+
+    def step(x, y):
+        loss = F.cross_entropy(model(x), y, reduction="none")
+        mirrored.compute_average_loss(loss).backward()
+        replica = mirrored.get_replica_context().replica_id_in_sync_group
+        seen[replica] = [p.grad.clone() for p in model.parameters()]
+
+    (shards,) = strategy.experimental_distribute_dataset([batch])
+    strategy.run(step, args=shards)
+    assert sorted(seen) == list(range(strategy.num_replicas_in_sync))
+    for gradients in seen.values():
+        for actual, wanted in zip(gradients, _global_gradients(batch), strict=True):
+            assert_close_float64(actual, wanted)
+
+
+@pytest.mark.parametrize("optimizer_name", [None, *sorted(OPTIMIZERS)])
+def test_after_backward_every_replica_holds_the_global_gradient(optimizer_name):
     with mirrored.MirroredStrategy(DEVICES) as strategy:
         module = make_mlp()
         if optimizer_name is None:
             model = strategy.mirror(module)
         else:
             model, _ = strategy.mirror(module, OPTIMIZERS[optimizer_name](module))
-
-        def step(x, y):
-            loss = F.cross_entropy(model(x), y, reduction="none")
-            mirrored.compute_average_loss(loss).backward()
-            replica = mirrored.get_replica_context().replica_id_in_sync_group
-            seen[replica] = [p.grad.clone() for p in model.parameters()]
-
-        (shards,) = strategy.experimental_distribute_dataset([batch])
-        strategy.run(step, args=shards)
-    expected = _global_gradients(batch)
-    assert sorted(seen) == [0, 1, 2]
-    for gradients in seen.values():
-        for actual, wanted in zip(gradients, expected, strict=True):
-            assert_close_float64(actual, wanted)
+        _assert_gradients_global_after_backward(strategy, model)
 
 
 def test_gradients_stay_global_when_the_program_drops_the_mirrored_optimizer():
     """``model = strategy.mirror(module, optimizer)[0]``: the parameters' hooks hold their
     reducer weakly, so the mirrored module keeps it."""
-    batch = make_batches()[0]
-    seen: dict[int, list[torch.Tensor]] = {}
     with mirrored.MirroredStrategy(DEVICES) as strategy:
         module = make_mlp()
         model = strategy.mirror(module, torch.optim.SGD(module.parameters(), lr=0.1))[0]
         gc.collect()
-
-        def step(x, y):
-            loss = F.cross_entropy(model(x), y, reduction="none")
-            mirrored.compute_average_loss(loss).backward()
-            replica = mirrored.get_replica_context().replica_id_in_sync_group
-            seen[replica] = [p.grad.clone() for p in model.parameters()]
-
-        (shards,) = strategy.experimental_distribute_dataset([batch])
-        strategy.run(step, args=shards)
-    for gradients in seen.values():
-        for actual, wanted in zip(gradients, _global_gradients(batch), strict=True):
-            assert_close_float64(actual, wanted)
+        _assert_gradients_global_after_backward(strategy, model)
 
 
 def test_an_update_by_hand_after_clipping_equals_the_plain_loop():
