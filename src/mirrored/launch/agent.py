@@ -21,7 +21,7 @@ import signal
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from torch.distributed.elastic.agent.server.api import WorkerSpec
@@ -36,7 +36,13 @@ from mirrored.launch.plan import LaunchPlan
 from mirrored.launch.stores import BACKEND, RUN_ID
 from mirrored.launch.worker import finished_marker
 
-__all__ = ["launch_folder", "restored_process_state", "run_agent"]
+__all__ = [
+    "describe_status",
+    "finished_anyway",
+    "launch_folder",
+    "restored_process_state",
+    "run_agent",
+]
 
 # The agent installs handlers for these (TORCHELASTIC_SIGNALS_TO_HANDLE) and never removes them.
 _AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
@@ -61,25 +67,32 @@ def restored_process_state() -> Iterator[None]:
 
 def _count_finished_programs(folder: str, workers: Any) -> None:
     """Before torch's agent polls its ``workers`` (their process context): a worker whose
-    program finished (its ``mirrored.launch.worker`` marker is there) counts as succeeded whatever
-    its exit status. torch's teardown sometimes aborts a process after its program returned, and
-    a finished job must be neither restarted nor reported failed."""
+    program finished counts as succeeded whatever its exit status (``finished_anyway``)."""
     if not isinstance(workers, SubprocessContext):  # always one: the entrypoint is a command
         return
     for local_rank, handler in workers.subprocess_handlers.items():
-        status = handler.proc.poll()
-        env = workers.envs[local_rank]
-        marker = finished_marker(folder, env["TORCHELASTIC_RESTART_COUNT"], env["RANK"])
-        if status and os.path.exists(marker):
-            print(
-                f"mirrored launch: rank {env['RANK']} finished its program, then its "
-                f"process ended with {_describe(status)}; it counts as finished",
-                file=sys.stderr,
-            )
+        if finished_anyway(folder, workers.envs[local_rank], handler.proc.poll()):
             handler.proc.returncode = 0  # what torch's poll of the process reads next
 
 
-def _describe(status: int) -> str:
+def finished_anyway(folder: str, env: Mapping[str, str], status: int | None) -> bool:
+    """Whether a worker's process (started with ``env``) that ended with a failing ``status``
+    had finished its program: its ``mirrored.launch.worker`` marker is there. torch's teardown
+    sometimes aborts a process after its program returned, and a finished job must be neither
+    restarted nor reported failed; said on stderr when it happens."""
+    marker = finished_marker(folder, env["TORCHELASTIC_RESTART_COUNT"], env["RANK"])
+    if not status or not os.path.exists(marker):
+        return False
+    print(
+        f"mirrored launch: rank {env['RANK']} finished its program, then its process ended "
+        f"with {describe_status(status)}; it counts as finished",
+        file=sys.stderr,
+    )
+    return True
+
+
+def describe_status(status: int) -> str:
+    """A process's exit status in words: ``signal SIGKILL`` or ``exit status 1``."""
     if status < 0:
         with contextlib.suppress(ValueError):
             return f"signal {signal.Signals(-status).name}"
@@ -130,8 +143,6 @@ def _remove_abandoned_folders() -> None:
 def run_agent(plan: LaunchPlan, port: int, folder: str) -> None:
     """torch's ``launch_agent``, with our agent; raises ``ChildFailedError`` after the last
     failure."""
-    command = ["-u", "-m", "mirrored.launch.worker"]
-    command += [*(["-m"] if plan.module else []), plan.program, *plan.args]
     handler = rendezvous_handler_registry.create_handler(
         RendezvousParameters(
             backend=BACKEND,
@@ -148,7 +159,7 @@ def run_agent(plan: LaunchPlan, port: int, folder: str) -> None:
         role="default",
         local_world_size=plan.nproc_per_node,
         entrypoint=sys.executable,
-        args=tuple(command),
+        args=tuple(plan.worker_arguments),
         rdzv_handler=handler,
         max_restarts=plan.max_restarts,
         monitor_interval=plan.monitor_interval,

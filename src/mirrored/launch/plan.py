@@ -28,6 +28,13 @@ class LaunchPlan:
     monitor_interval: float = 0.1  # seconds between the agent's checks on its workers
     num_ps: int = 0  # > 0: a parameter-server cluster (MIRRORED_NUM_PS), its last ranks the ps
 
+    @property
+    def worker_arguments(self) -> list[str]:
+        """The interpreter's arguments of every worker process: the program, run by
+        ``mirrored.launch.worker``."""
+        program = [*(["-m"] if self.module else []), self.program, *self.args]
+        return ["-u", "-m", "mirrored.launch.worker", *program]
+
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1:
             raise ValueError(
