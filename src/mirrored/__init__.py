@@ -15,6 +15,7 @@ from mirrored._torch_internals import warn_if_untested_torch as _warn_if_unteste
 from mirrored.checkpoint_manager import Checkpoint, CheckpointManager, latest_checkpoint
 from mirrored.cluster.resolvers import (
     ClusterResolver,
+    SlurmClusterResolver,
     TFConfigClusterResolver,
     TorchrunClusterResolver,
 )
@@ -105,6 +106,7 @@ __all__ = [
     "ReplicaAbortedError",
     "ReplicaContext",
     "ReplicasDifferError",
+    "SlurmClusterResolver",
     "Strategy",
     "SyncMismatchError",
     "SyncTimeoutError",

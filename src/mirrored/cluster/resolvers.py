@@ -3,10 +3,11 @@
 A multi-worker strategy needs, before it can open a process group, this process's rank among the
 synchronous workers, their number, and the address of rank 0's rendezvous. TensorFlow users write
 that down in ``TF_CONFIG``, one JSON document per task; processes started by ``mirrored launch``
-or torchrun get it from the launcher's environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...).
-The resolvers below read either into one small value, so the strategies depend on neither format,
-and ``resolve_cluster`` picks the one that applies (``TF_CONFIG``'s own rules are checked in
-:mod:`mirrored.cluster.tf_config`). This module only parses and validates: it opens no socket and
+or torchrun get it from the launcher's environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...);
+the tasks of a SLURM step from the variables ``srun`` sets. The resolvers below read each into one
+small value, so the strategies depend on no format, and ``resolve_cluster`` picks the one that
+applies (the formats' own rules are checked in :mod:`mirrored.cluster.tf_config` and
+:mod:`mirrored.cluster.slurm`). This module only parses and validates: it opens no socket and
 calls nothing in ``torch.distributed``, so every rule is unit-tested without a process.
 
 Ranks follow TensorFlow: the ``chief`` task is rank 0 and ``worker`` i is rank i + 1; without a
@@ -25,6 +26,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from mirrored.cluster.slurm import in_slurm_step, read_step
 from mirrored.cluster.tf_config import (
     JOBS,
     NON_WORKER_JOBS,
@@ -39,6 +41,7 @@ from mirrored.cluster.tf_config import (
 __all__ = [
     "ClusterResolver",
     "LocalClusterResolver",
+    "SlurmClusterResolver",
     "TFConfigClusterResolver",
     "TorchrunClusterResolver",
     "resolve_cluster",
@@ -54,6 +57,8 @@ class ClusterResolver:
     (TensorFlow's ``SimpleClusterResolver``). ``rank`` is -1 for a ``ps`` or ``evaluator`` task,
     which is not one of the ``world_size`` synchronous workers. ``master_port == 0`` asks the
     strategy to pick a free port, which only a single worker can do (nobody else needs to find it).
+    ``visible_gpus_shared`` is False where the launcher gave each worker GPUs of its own (SLURM's
+    ``--gpus-per-task``): the worker's visible GPUs are then all its, not the machine's to share.
     """
 
     def __init__(
@@ -70,6 +75,7 @@ class ClusterResolver:
         agent_store: bool = False,
         restart_count: int = 0,
         cluster_spec: Mapping[str, list[str]] | None = None,
+        visible_gpus_shared: bool = True,
     ) -> None:
         _check_place(task_type, task_id, rank, world_size)
         _check_rendezvous(master_addr, master_port, world_size)
@@ -86,6 +92,7 @@ class ClusterResolver:
         self.local_world_size = local_world_size  # synchronous workers on this machine
         self.agent_store = bool(agent_store)
         self.restart_count = restart_count
+        self.visible_gpus_shared = bool(visible_gpus_shared)
         self._cluster_spec = {job: list(tasks) for job, tasks in (cluster_spec or {}).items()}
 
     def cluster_spec(self) -> dict[str, list[str]]:
@@ -252,6 +259,56 @@ def _launched_ps_task(
     return "ps", rank - 1 - num_workers, spec
 
 
+class SlurmClusterResolver(ClusterResolver):
+    """The task of an ``srun`` step, so that ``srun python train.py`` needs nothing else
+    (TensorFlow's ``SlurmClusterResolver``, its rules in :mod:`mirrored.cluster.slurm`).
+
+    Rank ``SLURM_PROCID`` of ``SLURM_STEP_NUM_TASKS`` workers, ``local_rank`` ``SLURM_LOCALID``
+    of the tasks on its node. The rendezvous is on the step's first node, where SLURM starts task
+    0, at a port every task derives alike from ``SLURM_JOB_ID`` and ``SLURM_STEP_ID``
+    (:attr:`mirrored.cluster.slurm.SlurmStep.port`); a step of one task takes any free port.
+    ``master_addr`` and ``master_port``, else ``MASTER_ADDR`` and ``MASTER_PORT``, replace them (a
+    node's fast interface, a port the site opens). ``gpus_per_task`` counts this task's GPUs among
+    ``CUDA_VISIBLE_DEVICES``. Every task is a ``worker`` and ``cluster_spec()`` is empty: where
+    the other tasks run depends on the step's ``--distribution``, which no task is told.
+    """
+
+    def __init__(
+        self,
+        *,
+        master_addr: str | None = None,
+        master_port: int | None = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
+        env = os.environ if environ is None else environ
+        step = read_step(env)
+        if master_addr is None and "MASTER_ADDR" in env:
+            master_addr = _master_addr(env)
+        if master_addr is None and step.rank == 0 and step.node_index != 0:
+            raise ValueError(
+                f"SLURM_PROCID=0 runs on node {step.node_index} ({step.hosts[step.node_index]}) "
+                f"of the step, not on its first node ({step.hosts[0]}) where the other tasks "
+                "look for it; set MASTER_ADDR to its address in every task, or distribute the "
+                "tasks by block or cyclic (srun --distribution)"
+            )
+        if master_port is None and "MASTER_PORT" in env:
+            master_port = _master_port(env, step.num_tasks)
+        if master_port is None:
+            master_port = step.port if step.num_tasks > 1 else 0
+        super().__init__(
+            task_type="worker",
+            task_id=step.rank,
+            rank=step.rank,
+            world_size=step.num_tasks,
+            master_addr=step.hosts[0] if master_addr is None else master_addr,
+            master_port=master_port,
+            local_rank=step.local_rank,
+            local_world_size=step.local_world_size,
+            visible_gpus_shared=not step.gpus_bound,
+        )
+        self.gpus_per_task = step.gpus_per_task
+
+
 class LocalClusterResolver(ClusterResolver):
     """A single worker on this machine: rank 0 of 1 at 127.0.0.1, any free port."""
 
@@ -267,12 +324,16 @@ class LocalClusterResolver(ClusterResolver):
 
 
 def resolve_cluster(environ: Mapping[str, str] | None = None) -> ClusterResolver:
-    """The resolver for this process's environment (``os.environ`` by default).
+    """The resolver for this process's environment (``os.environ`` by default), the first of:
 
-    A launcher's variables win (``RANK`` and ``WORLD_SIZE``: torchrun or ``mirrored launch``
-    started this process); one without the other is an error, and a ``TF_CONFIG`` beside them
-    must describe as many synchronous workers. Else a non-empty ``TF_CONFIG``; else a single local
-    worker.
+    1. a launcher's ``RANK`` and ``WORLD_SIZE`` (torchrun or ``mirrored launch`` started this
+       process, under srun too: the launcher's workers are the workers); one without the other
+       is an error, and a ``TF_CONFIG`` beside them must describe as many synchronous workers;
+    2. a non-empty ``TF_CONFIG``: the program's own cluster wins over the scheduler's;
+    3. a task of an ``srun`` step (``SLURM_STEP_NUM_TASKS``). Not the batch script of ``sbatch``
+       nor an ``salloc`` shell: they have ``SLURM_NTASKS`` and maybe ``SLURM_PROCID``, but a
+       program started there is one process;
+    4. a single local worker.
     """
     env = os.environ if environ is None else environ
     has_tf_config = bool(env.get("TF_CONFIG", "").strip())
@@ -296,6 +357,8 @@ def resolve_cluster(environ: Mapping[str, str] | None = None) -> ClusterResolver
         return torchrun
     if has_tf_config:
         return TFConfigClusterResolver(environ=env)
+    if in_slurm_step(env):
+        return SlurmClusterResolver(environ=env)
     return LocalClusterResolver()
 
 
