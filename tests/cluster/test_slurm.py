@@ -1,9 +1,10 @@
-"""SLURM: host lists, task counts and the resolver of an srun step.
+"""SLURM: host lists, task counts, the resolver of an srun step, and real runs.
 
-Every environment is passed as ``environ=``. ``SRUN_TASK_0`` is what ``srun -n 2`` set in task 0
-on a one-node SLURM 22.05 (slurmctld and slurmd from Debian's packages, node ``vm`` at
-127.0.0.1), printed by ``env``; the other environments differ from it as srun(1)'s OUTPUT
-ENVIRONMENT VARIABLES say.
+The unit tests pass every environment as ``environ=``. ``SRUN_TASK_0`` is what ``srun -n 2``
+set in task 0 on a one-node SLURM 22.05 (slurmctld and slurmd from Debian's packages, node
+``vm`` at 127.0.0.1), printed by ``env``; the other environments differ from it as srun(1)'s
+OUTPUT ENVIRONMENT VARIABLES say. The last two tests train for real: two processes given the
+variables of a two-task step, and ``srun`` itself where a SLURM controller answers.
 """
 
 from __future__ import annotations
@@ -11,8 +12,14 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+import torch
 
 from mirrored.cluster.resolvers import (
     LocalClusterResolver,
@@ -27,6 +34,14 @@ from mirrored.cluster.slurm import (
     expand_hostlist,
     expand_tasks_per_node,
     read_step,
+)
+from tests.exactness import assert_close_float64
+from tests.multiprocess.spawn import (
+    REPO,
+    assert_all_succeeded,
+    program_env,
+    start_process,
+    wait_workers,
 )
 
 SRUN_TASK_0 = {
@@ -83,6 +98,7 @@ SBATCH_SCRIPT = {
     "SLURM_TASKS_PER_NODE": "2",
 }
 SALLOC_SHELL = {"SLURM_JOB_ID": "3", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "vm"}
+COMMAND = [sys.executable, "-m", "tests.cluster.slurm_train"]
 
 
 def srun_task(rank: int = 0, **overrides: str) -> dict[str, str]:
@@ -345,3 +361,97 @@ def test_resolve_prefers_tf_config_inside_a_step():
 def test_resolve_reports_a_malformed_step():
     with pytest.raises(ValueError, match=r"^SLURM_PROCID=7 is outside"):
         resolve_cluster(srun_task(7))
+
+
+# --- real runs -------------------------------------------------------------------------------
+
+
+def _plain_env() -> dict[str, str]:
+    """A test program's environment, less any cluster this test itself runs in."""
+    return {
+        k: v
+        for k, v in program_env().items()
+        if not k.startswith("SLURM_") and k not in ("MASTER_ADDR", "MASTER_PORT")
+    }
+
+
+def _results(out: Path, num_workers: int) -> list[dict]:
+    return [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in range(num_workers)]
+
+
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The program run with plain ``python``: one process, one worker."""
+    out = tmp_path_factory.mktemp("plain")
+    assert_all_succeeded(wait_workers([start_process([*COMMAND, str(out)], _plain_env())], 120))
+    (result,) = _results(out, 1)
+    assert (result["resolver"], result["world_size"]) == ("LocalClusterResolver", 1)
+    return result
+
+
+def _assert_trained_as_one_process(out: Path, plain: dict) -> None:
+    """Both workers read the step, and end where one process does (float64: to rounding);
+    their replicas are bit-identical."""
+    results = _results(out, 2)
+    for result in results:
+        assert (result["resolver"], result["world_size"]) == ("SlurmClusterResolver", 2)
+        for name, value in plain["weights"].items():
+            assert_close_float64(result["weights"][name], value, msg=name)
+        assert_close_float64(result["losses"], plain["losses"])
+    first, second = (result["weights"] for result in results)
+    assert all(torch.equal(first[name], second[name]) for name in first)
+
+
+def _job_id_with_a_free_port() -> str:
+    """A job id whose step 0 rendezvous port is free on 127.0.0.1 now."""
+    for job_id in range(1, 1000):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", read_step(srun_task(SLURM_JOB_ID=str(job_id))).port))
+            except OSError:
+                continue
+        return str(job_id)
+    raise AssertionError(f"no free port in {PORT_BASE}..{PORT_BASE + 9999} for step 0")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_two_tasks_of_a_step_train_as_one_process_does(tmp_path, plain_run):
+    """The variables srun sets in the two tasks of a one-node step, node ``localhost``."""
+    job_id = _job_id_with_a_free_port()
+    node = {"SLURM_STEP_NODELIST": "localhost", "SLURMD_NODENAME": "localhost"}
+    workers = [
+        start_process(
+            [*COMMAND, str(tmp_path)],
+            {**_plain_env(), **srun_task(rank, SLURM_JOB_ID=job_id, **node)},
+            rank,
+        )
+        for rank in range(2)
+    ]
+    assert_all_succeeded(wait_workers(workers, 120))
+    _assert_trained_as_one_process(tmp_path, plain_run)
+
+
+def _slurm_answers() -> bool:
+    if shutil.which("srun") is None or shutil.which("scontrol") is None:
+        return False
+    ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=30)
+    return ping.returncode == 0 and "UP" in ping.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_srun_runs_the_program_as_two_workers(tmp_path, plain_run):
+    if not _slurm_answers():
+        pytest.skip("no SLURM controller answers here (srun, scontrol ping); CI has none")
+    srun = ["srun", "--nodes=1", "--ntasks=2", "--time=4", "--kill-on-bad-exit=1"]
+    run = subprocess.run(
+        [*srun, *COMMAND, str(tmp_path)],
+        cwd=REPO,
+        env=_plain_env(),
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    _assert_trained_as_one_process(tmp_path, plain_run)
