@@ -433,17 +433,22 @@ def test_two_tasks_of_a_step_train_as_one_process_does(tmp_path, plain_run):
 
 
 def _slurm_answers() -> bool:
+    """Whether srun can start a step here: a controller answers ``scontrol ping``."""
     if shutil.which("srun") is None or shutil.which("scontrol") is None:
         return False
-    ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=30)
+    try:
+        ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        return False
     return ping.returncode == 0 and "UP" in ping.stdout
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
+@pytest.mark.skipif(
+    not _slurm_answers(), reason="no SLURM controller answers (srun, scontrol ping); CI has none"
+)
 def test_srun_runs_the_program_as_two_workers(tmp_path, plain_run):
-    if not _slurm_answers():
-        pytest.skip("no SLURM controller answers here (srun, scontrol ping); CI has none")
     srun = ["srun", "--nodes=1", "--ntasks=2", "--time=4", "--kill-on-bad-exit=1"]
     run = subprocess.run(
         [*srun, *COMMAND, str(tmp_path)],
