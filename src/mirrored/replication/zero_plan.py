@@ -164,6 +164,19 @@ class SegmentTransfer:
         segment = self.layout.segment
         return [(a, min(a + self.chunk, segment)) for a in range(0, segment, self.chunk)]
 
+    def last_ranges(self, pieces: Sequence[Piece]) -> dict[int, int]:
+        """Per parameter (position) with pieces in these segments: the index in ``ranges()`` of
+        the last range that moves any of its elements (-1: it has none), after which no
+        collective reads its gradients again."""
+        last: dict[int, int] = {}
+        for slots in self.worker_slots:
+            for k, local in slots:
+                numel = pieces[k].numel
+                index = (local + numel - 1) // self.chunk if numel else -1
+                position = pieces[k].position
+                last[position] = max(last.get(position, -1), index)
+        return last
+
     def parts(
         self, pieces: Sequence[Piece], worker: int, a: int, b: int
     ) -> list[tuple[int, int, int, int]]:

@@ -11,14 +11,22 @@ included).
 - Stage 1: gradients are reduced as without ZeRO (across workers while backward runs, so
   clipping or unscaling before ``optimizer.step()`` sees the sums). Each owner updates its
   ranges; in one process every replica then copies the others' ranges from their owners;
-  across workers each worker packs what its replicas own into its segment (one per dtype) and
-  all-gathers the segments a chunk at a time, so no staging buffer grows with the model.
+  across workers the owners' ranges are all-gathered a chunk of every worker's segment (one
+  per dtype) at a time, packed from the parameters and written straight into them.
 - Stage 2: gradients are reduce-scattered at ``optimizer.step()`` instead, in the same layout
-  and chunks: each worker sums its replicas' gradients, an all-to-all hands each worker its
-  own segment's range from every worker, summed in rank order; in one process each owner sums
-  its ranges over the replicas directly. Only owners keep a reduced gradient. This does not
-  lower the peak (backward still produces whole gradients on every replica) and gives up the
-  overlap with backward; reduce-scattering buckets from backward's hooks is what would.
+  and chunks: each worker sums its replicas' gradients into a chunk, an all-to-all hands each
+  worker its own segment's range from every worker, summed in rank order into the owners'
+  reduced gradients; a parameter's gradients are dropped on every replica once its last chunk
+  has crossed. In one process each owner sums its ranges over the replicas directly. Only
+  owners keep a reduced gradient, and with no gradient buckets (nothing is reduced during
+  backward) the peak is below stage 0's; reduce-scattering buckets from backward's hooks would
+  lower it further and win back the overlap with backward.
+
+Across workers no buffer of the model's size (a worker's segment, a flat copy of the
+gradients) is made: staging holds one chunk of every worker's segment, ``_CHUNK_BYTES``, so
+each process's peak is stage 0's less the optimizer state it no longer keeps
+(``benchmarks/RESULTS.md``, "ZeRO and peak memory"). In one process the replicas of one device
+already share one optimizer state (owner updates), so there stage 1 saves nothing.
 
 The update is the one every replica would have made (the same gradient sum, the same state) for
 optimizers whose update of a parameter is elementwise in that parameter, its gradient and its own
@@ -58,9 +66,10 @@ if TYPE_CHECKING:
     from mirrored.comm.communicator import Communicator
     from mirrored.core.context import ReplicaContext
 
-# What one gather or reduce-scatter across workers moves per worker at most: the staging
-# buffers are this times the worker count, not the parameters' size.
-_CHUNK_BYTES = 32 * 2**20
+# What one gather or reduce-scatter across workers moves, every worker's chunk together: each
+# of the two staging buffers per dtype holds this much, whatever the parameters' size. 8 MiB
+# keeps a step's collectives few (benchmarks/zero.py) and the staging small beside the state.
+_CHUNK_BYTES = 8 * 2**20
 
 __all__ = ["ZeroRedundancy", "check_zero_stage"]
 
@@ -118,7 +127,10 @@ class ZeroRedundancy:
         self._storage = ShardStorage(self.plan, self.params, self.optimizers)
         # Frozen parameters never change: they take no part (and must stay frozen).
         self._frozen = [[replica[i] for i in self.plan.frozen] for replica in self.params]
-        self._has_grad: dict[int, bool] = {}
+        # Per parameter, the pieces of it this worker's replicas own.
+        self._pieces_here: dict[int, list[int]] = {}
+        for k in sorted(k for share in self.plan.shares for k in share.owned):
+            self._pieces_here.setdefault(self.plan.pieces[k].position, []).append(k)
         if optimizers[0].state:  # a state the user's optimizer already had: shard it
             self.load_state_dict(optimizers[0].state_dict())
 
@@ -134,22 +146,20 @@ class ZeroRedundancy:
 
     # -- the step ---------------------------------------------------------------------------------
     def reduce_gradients(
-        self, replica: ReplicaContext, everyone: Sequence[Sequence[torch.Tensor | None]]
+        self, replica: ReplicaContext, everyone: Sequence[list[torch.Tensor | None]]
     ) -> None:
         """Stage 2: give each owned parameter and piece the sum of its gradient over every
         replica of every worker and drop the other gradients (``everyone``: each local
-        replica's gradients)."""
+        replica's gradients; across workers its entries are dropped too, as they are reduced,
+        so that no reference keeps a whole gradient alive)."""
         r = replica.local_replica_id
         self._check_frozen(r)
         if self.plan.num_workers == 1:
             self._sum_owned(r, everyone)
-        else:
-            if r == 0:
-                self._reduce_scatter(everyone)
-            replica.exchange.barrier("ZeRO: gradients reduce-scattered", cross_device=True)
-            self._take_scattered(r)
+        elif r == 0:
+            self._reduce_scatter(everyone)
         # Owners have read every peer's gradient: the rest is no replica's to keep.
-        replica.exchange.barrier("ZeRO: gradients read", cross_device=True)
+        replica.exchange.barrier("ZeRO: gradients reduced", cross_device=True)
         whole = self.plan.shares[r].whole
         for position in self.plan.positions:
             if position not in whole:
@@ -166,22 +176,6 @@ class ZeroRedundancy:
                 parts, piece.start, piece.start + piece.numel, piece_param.device
             )
 
-    def _take_scattered(self, r: int) -> None:
-        """Across workers: replica ``r``'s owned parameters and pieces get their reduced
-        gradients from this worker's segments."""
-        owned = self.plan.shares[r].owned
-        for transfer, send in zip(self.plan.transfers, self._storage.sends, strict=True):
-            for k, local in transfer.worker_slots[self.plan.worker]:
-                piece = self.plan.pieces[k]
-                if k not in owned or not self._has_grad[piece.position]:
-                    continue
-                param = self.params[r][piece.position]
-                grad = send[local : local + piece.numel].to(param.device, copy=True)
-                if piece.whole:
-                    param.grad = grad.view_as(param)
-                else:
-                    self._storage.piece_params[r][k].grad = grad
-
     def _check_frozen(self, r: int) -> None:
         """A RuntimeError if a parameter frozen at ``strategy.mirror()`` has a gradient: it has
         no owner, so it would never be updated."""
@@ -194,33 +188,89 @@ class ZeroRedundancy:
                     "unfreeze before mirroring (or mirror the model again with a new optimizer)"
                 )
 
-    def _reduce_scatter(self, everyone: Sequence[Sequence[torch.Tensor | None]]) -> None:
-        """Sum the local replicas' gradients into the buffers, then every worker's into the
-        segment this worker owns (the storage's ``sends``), in rank order."""
-        plan, storage, num_workers = self.plan, self._storage, self.plan.num_workers
+    def _reduce_scatter(self, everyone: Sequence[list[torch.Tensor | None]]) -> None:
+        """Across workers, by local replica 0 while the others wait: every gradient summed over
+        the local replicas, then over the workers in rank order, a chunk of every segment at a
+        time, into the reduced gradients of the pieces this worker's replicas own. Once its
+        last chunk has crossed, a parameter's gradients are dropped on every local replica
+        (``param.grad`` and its entry in ``everyone``), so the owners' gradients take the place
+        of the whole ones as they go."""
+        plan = self.plan
         has = self._communicator.sum_across_workers(
             [float(any(grads[i] is not None for grads in everyone)) for i in plan.positions],
             "ZeRO: which parameters have gradients",
         )
-        self._has_grad = dict(zip(plan.positions, (bool(c) for c in has), strict=True))
+        has_grad = dict(zip(plan.positions, (bool(c) for c in has), strict=True))
+        reduced: dict[int, torch.Tensor] = {}
         for li, transfer in enumerate(plan.transfers):
-            send, staging, received = storage.sends[li], storage.staging[li], storage.received[li]
-            for a, b in transfer.ranges():
-                n = b - a
-                outgoing = staging[: num_workers * n]
-                outgoing.zero_()
-                for w in range(num_workers):
-                    for k, lo, hi, at in transfer.parts(plan.pieces, w, a, b):
-                        position = plan.pieces[k].position
-                        parts = [g for grads in everyone if (g := grads[position]) is not None]
-                        total = _sum_range(parts, lo, hi, storage.device)
-                        if total is not None:
-                            outgoing[w * n + at : w * n + at + hi - lo].copy_(total)
-                incoming = received[: num_workers * n]
-                label = f"ZeRO: gradients ({dtype_name(transfer.layout.dtype)}, from {a})"
-                self._communicator.reduce_scatter_across_workers(
-                    outgoing, incoming, send[a:b], label
-                )
+            done_after: dict[int, list[int]] = {}
+            for position, index in transfer.last_ranges(plan.pieces).items():
+                done_after.setdefault(index, []).append(position)
+            self._hand_over(done_after.pop(-1, []), has_grad, reduced, everyone)
+            for index, (a, b) in enumerate(transfer.ranges()):
+                self._reduce_range(li, a, b, everyone, reduced, has_grad)
+                self._hand_over(done_after.pop(index, []), has_grad, reduced, everyone)
+
+    def _reduce_range(
+        self,
+        li: int,
+        a: int,
+        b: int,
+        everyone: Sequence[Sequence[torch.Tensor | None]],
+        reduced: dict[int, torch.Tensor],
+        has_grad: dict[int, bool],
+    ) -> None:
+        """Elements ``a`` to ``b`` of every worker's segment of transfer ``li``: the local sums
+        go out, this worker's range comes back summed into ``reduced`` (piece -> its reduced
+        gradient, made at its first range)."""
+        plan, storage, num_workers = self.plan, self._storage, self.plan.num_workers
+        transfer, n = plan.transfers[li], b - a
+        outgoing = storage.outgoing[li][: num_workers * n]
+        outgoing.zero_()
+        for w in range(num_workers):
+            for k, lo, hi, at in transfer.parts(plan.pieces, w, a, b):
+                position = plan.pieces[k].position
+                parts = [g for grads in everyone if (g := grads[position]) is not None]
+                _sum_into(outgoing[w * n + at : w * n + at + hi - lo], parts, lo, hi)
+        total = storage.outgoing[li][:n]  # what went out is spent once the all-to-all is over
+        label = f"ZeRO: gradients ({dtype_name(transfer.layout.dtype)}, from {a})"
+        self._communicator.reduce_scatter_across_workers(
+            outgoing, storage.incoming[li][: num_workers * n], total, label
+        )
+        for k, lo, hi, at in transfer.parts(plan.pieces, plan.worker, a, b):
+            piece = plan.pieces[k]
+            if not has_grad[piece.position]:
+                continue
+            if k not in reduced:
+                owner = self.params[plan.owners[k] - plan.first_replica][piece.position]
+                reduced[k] = torch.empty(piece.numel, dtype=owner.dtype, device=owner.device)
+            reduced[k][lo - piece.start : hi - piece.start].copy_(total[at : at + hi - lo])
+
+    def _hand_over(
+        self,
+        positions: Sequence[int],
+        has_grad: dict[int, bool],
+        reduced: dict[int, torch.Tensor],
+        everyone: Sequence[list[torch.Tensor | None]],
+    ) -> None:
+        """The parameters at ``positions`` are reduced: their owners here take the reduced
+        gradients, and no other local replica keeps one."""
+        plan = self.plan
+        for position in positions:
+            for k in self._pieces_here.get(position, ()) if has_grad[position] else ():
+                piece, r = plan.pieces[k], plan.owners[k] - plan.first_replica
+                param = self.params[r][position]
+                grad = reduced.pop(k, None)
+                if grad is None:  # a parameter of no elements
+                    grad = param.new_empty(0)
+                if piece.whole:
+                    param.grad = grad.view_as(param)
+                else:
+                    self._storage.piece_params[r][k].grad = grad
+            for r, grads in enumerate(everyone):
+                grads[position] = None
+                if position not in plan.shares[r].whole:
+                    self.params[r][position].grad = None
 
     def step(self, replica: ReplicaContext) -> Any:
         """Update the parameters and pieces this replica owns, then give every replica all of
@@ -231,41 +281,38 @@ class ZeroRedundancy:
         result = step_owned(self.optimizers[r], self._storage.whole_ids[r])
         self._step_pieces(r)
         with torch.no_grad():
+            replica.exchange.barrier("ZeRO: parameters updated", cross_device=True)
             if self.plan.num_workers == 1:
-                replica.exchange.barrier("ZeRO: parameters updated", cross_device=True)
                 for k, owner in enumerate(self.plan.owners):
                     if k not in owned:
                         self._storage.copy_piece(owner - self.plan.first_replica, r, k)
                 return result
-            for transfer, send in zip(self.plan.transfers, self._storage.sends, strict=True):
-                for k, local in transfer.worker_slots[self.plan.worker]:
-                    if k in owned:
-                        send[local : local + self.plan.pieces[k].numel].copy_(
-                            self._storage.flat(r, k)
-                        )
-            replica.exchange.barrier("ZeRO: updated parameters packed", cross_device=True)
             if r == 0:
                 self._gather_parameters()
             replica.exchange.barrier("ZeRO: parameters gathered", cross_device=True)
         return result
 
     def _gather_parameters(self) -> None:
-        """Every worker's segments, a chunk at a time, into every local replica's parameters
-        (by local replica 0, while the others wait)."""
-        plan, num_workers = self.plan, self.plan.num_workers
+        """Every worker's updated ranges, a chunk of every segment at a time, into every local
+        replica's parameters (by local replica 0, while the others wait): each chunk is packed
+        from the owners' parameters and written straight into the others'."""
+        plan, storage, num_workers = self.plan, self._storage, self.plan.num_workers
         for li, transfer in enumerate(plan.transfers):
-            send, staging = self._storage.sends[li], self._storage.staging[li]
             for a, b in transfer.ranges():
                 n = b - a
-                gathered = staging[: num_workers * n]
+                mine = storage.outgoing[li][:n]
+                for k, lo, hi, at in transfer.parts(plan.pieces, plan.worker, a, b):
+                    owner = plan.owners[k] - plan.first_replica
+                    mine[at : at + hi - lo].copy_(storage.read_range(owner, k, lo, hi))
+                gathered = storage.incoming[li][: num_workers * n]
                 label = f"ZeRO: parameters ({dtype_name(transfer.layout.dtype)}, from {a})"
-                self._communicator.all_gather_across_workers(gathered, send[a:b], label)
+                self._communicator.all_gather_across_workers(gathered, mine, label)
                 for w in range(num_workers):
                     for k, lo, hi, at in transfer.parts(plan.pieces, w, a, b):
                         values = gathered[w * n + at : w * n + at + hi - lo]
                         for r, share in enumerate(plan.shares):
                             if k not in share.owned:
-                                self._storage.write_range(r, k, lo, hi, values)
+                                storage.write_range(r, k, lo, hi, values)
 
     def resync(self) -> None:
         """After a run that failed midway: give every local replica each owner's values of the
@@ -347,6 +394,17 @@ class ZeroRedundancy:
             piece_optimizer = self._storage.piece_optimizers[r]
             if piece_optimizer is not None:
                 piece_optimizer.load_state_dict(pieces_state(self.plan, share, state_dict))
+
+
+def _sum_into(out: torch.Tensor, parts: Sequence[torch.Tensor], lo: int, hi: int) -> None:
+    """``out`` (zeros) becomes the sum, in order, of elements ``lo`` to ``hi`` of each
+    flattened gradient in ``parts``, as :func:`_sum_range` adds them."""
+    for i, part in enumerate(parts):
+        flat = part.reshape(-1)[lo:hi]
+        if i:
+            out.add_(flat.to(out.device, non_blocking=True))
+        else:
+            out.copy_(flat)
 
 
 def _sum_range(

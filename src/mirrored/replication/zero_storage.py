@@ -4,8 +4,9 @@ for.
 The plan says who owns what; this module allocates it. A whole parameter is stepped by its
 owner's optimizer as it is. A cut one is stepped as pieces: parameters of their own over ranges
 of its storage (no copy), with an optimizer of the same kind and hyperparameters, which the
-update being elementwise makes exact. Across workers each dtype also needs a buffer for this
-worker's segment and staging for one chunk of every worker's, sized by the plan's transfers.
+update being elementwise makes exact. Across workers each dtype also needs staging for one
+chunk of every worker's segment, sized by the plan's transfers: never a buffer of the model's
+size (``benchmarks/RESULTS.md``, "ZeRO and peak memory").
 """
 
 from __future__ import annotations
@@ -56,24 +57,29 @@ class ShardStorage:
                 optimizers, plan.shares, self.piece_params, strict=True
             )
         ]
-        # Across workers: this worker's segment per dtype and the staging of one chunk of
-        # every worker's (at stage 2 twice: what goes out and what comes in).
+        # Across workers, per dtype: the staging of one chunk of every worker's segment, what
+        # goes out (at stage 1 this worker's chunk only) and what comes in. No buffer holds a
+        # whole segment: chunks are packed from the parameters and gradients themselves.
         num_workers = plan.num_workers
-        self.sends = [
-            torch.empty(t.layout.segment, dtype=t.layout.dtype, device=self.device)
+        outgoing = num_workers if plan.stage == 2 else 1
+        self.outgoing = [
+            torch.empty(outgoing * t.chunk, dtype=t.layout.dtype, device=self.device)
             for t in plan.transfers
         ]
-        self.staging = [
+        self.incoming = [
             torch.empty(num_workers * t.chunk, dtype=t.layout.dtype, device=self.device)
             for t in plan.transfers
         ]
-        self.received = [torch.empty_like(s) for s in self.staging] if plan.stage == 2 else []
 
     def flat(self, r: int, k: int) -> torch.Tensor:
         """Piece ``k`` of replica ``r``'s parameter, as a flat view (or a flat copy, for a
         whole parameter that is not contiguous)."""
         piece = self.plan.pieces[k]
         return self.params[r][piece.position].reshape(-1)[piece.start : piece.start + piece.numel]
+
+    def read_range(self, r: int, k: int, lo: int, hi: int) -> torch.Tensor:
+        """Elements ``lo`` to ``hi`` of piece ``k``'s parameter on replica ``r``, flat."""
+        return self.params[r][self.plan.pieces[k].position].reshape(-1)[lo:hi]
 
     def write_range(self, r: int, k: int, lo: int, hi: int, values: torch.Tensor) -> None:
         """Set elements ``lo`` to ``hi`` of piece ``k``'s parameter on replica ``r``."""
