@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,8 +16,10 @@ import torch
 from tests.exactness import assert_close_float64
 from tests.multiprocess.parameter_server_jobs import make_model, plain_digits_accuracy, plain_rounds
 from tests.multiprocess.spawn import (
+    REPO,
     Worker,
     assert_all_succeeded,
+    program_env,
     restart_worker,
     run_workers,
     start_workers,
@@ -83,7 +91,12 @@ def test_a_killed_worker_s_function_runs_again_and_every_update_counts_once(
     weight; synchronous: each round of 2 functions takes their mean per update."""
     workers = run_workers("counter", tmp_path, 5, cluster="ps:2:2", args=["worker", mode])
     assert _exits(workers) == [0, 0, -9, 0, 0], "\n".join(w.output for w in workers)
-    result = torch.load(tmp_path / "chief-first.pt", weights_only=True)
+    _assert_counted_once(tmp_path, expected)
+
+
+def _assert_counted_once(out: Path, expected: float) -> None:
+    """The ``counter`` job's record, worker1 killed in its second function and not restarted."""
+    result = torch.load(out / "chief-first.pt", weights_only=True)
     assert torch.equal(result["value"], torch.full((4,), expected))
     assert result["ran_on"].count("worker1") == 1  # its second function ran again on worker0
     assert result["ran_on"].count("worker0") == 11
@@ -106,7 +119,13 @@ def test_a_restarted_worker_rejoins_and_no_update_is_lost_or_applied_twice(
     finally:
         wait_workers(workers, timeout=120)
     assert _exits(workers) == [0, 0, -9, 0, 0, 0], "\n".join(w.output for w in workers)
-    result = torch.load(tmp_path / "chief-first.pt", weights_only=True)
+    _assert_rejoined(tmp_path, mode)
+
+
+def _assert_rejoined(out: Path, mode: str) -> None:
+    """The ``rejoin`` job's record: every update counted once, worker1's second incarnation
+    took part with its task's shard."""
+    result = torch.load(out / "chief-first.pt", weights_only=True)
     functions = len(result["ran_on"])
     weights = functions * (functions + 1) / 2
     expected = -2 * weights if mode == "async" else -weights
@@ -125,6 +144,83 @@ def test_a_lost_ps_fails_the_job_clearly_and_its_last_checkpoint_resumes(tmp_pat
     assert_all_succeeded(resumed)
     result = torch.load(tmp_path / "chief-resume.pt", weights_only=True)
     assert torch.equal(result["value"], torch.full((4,), -156.0))  # 4 before the save, 8 after
+
+
+def _launch(job: str, out: Path, *args: str, max_restarts: int = 0) -> tuple[int, str]:
+    """``job`` on a chief, 2 workers and 2 ps tasks under ``mirrored launch --num-ps 2``: the
+    launcher's exit status and output, once it has ended and left no task running."""
+    flags = ["--nproc-per-node", "5", "--num-ps", "2", "--max-restarts", str(max_restarts)]
+    command = [sys.executable, "-m", "mirrored.launch.launcher", *flags]
+    command += ["-m", "tests.multiprocess.jobs", job, str(out), *args]
+    launcher = subprocess.Popen(
+        command,
+        cwd=REPO,
+        env=program_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = launcher.communicate(timeout=150)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)  # its tasks then stop by themselves
+            launcher.wait()
+        left = _tasks_of(out)
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+    assert not left, f"tasks still running after the launcher: {left}\n{output}"
+    return launcher.returncode, output
+
+
+def _tasks_of(out: Path) -> list[int]:
+    """The processes running a job that writes to ``out`` (its path is in their command)."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            command = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            if str(out).encode() in command and state != "Z":
+                found.append(int(entry))
+    return found
+
+
+def test_under_mirrored_launch_a_killed_worker_s_functions_run_on_the_others(
+    tmp_path: Path,
+) -> None:
+    """As under TF_CONFIG: worker1 dies mid-function, the job goes on (--max-restarts 0: not
+    restarted) and every update counts once; torch's agent ended the whole job here."""
+    status, output = _launch("counter", tmp_path, "worker", "async")
+    assert status == 0, output
+    assert "worker1 (rank 2) ended with signal SIGKILL and is not restarted" in output
+    _assert_counted_once(tmp_path, -156.0)
+
+
+def test_under_mirrored_launch_a_killed_worker_is_restarted_and_rejoins(tmp_path: Path) -> None:
+    """worker1 dies mid-function; the launcher starts that one process again (not the group,
+    as torch's agent did), it rejoins as worker1_2, and every update counts once."""
+    status, output = _launch("rejoin", tmp_path, "async", max_restarts=1)
+    assert status == 0, output
+    restarts = re.findall(r"mirrored launch: (.*); restarting it to rejoin", output)
+    assert restarts == ["worker1 (rank 2) ended with signal SIGKILL"], output
+    _assert_rejoined(tmp_path, "async")
+
+
+@pytest.mark.parametrize(
+    ("fault", "line"),
+    [
+        ("chief", "chief (rank 0) ended with signal SIGKILL: the coordinator's program runs there"),
+        ("ps", "ps1 (rank 4) ended with signal SIGKILL: its parameters were lost with its process"),
+    ],
+)
+def test_under_mirrored_launch_a_killed_chief_or_ps_task_ends_the_job_naming_it(
+    tmp_path: Path, fault: str, line: str
+) -> None:
+    status, output = _launch("counter", tmp_path, fault, max_restarts=1)
+    assert status == 1, output
+    assert f"mirrored launch: {line}" in output
+    assert "restarting" not in output
 
 
 def test_coordinator_rules_bad_functions_close_and_every_worker_lost(tmp_path: Path) -> None:

@@ -13,11 +13,16 @@ summary of which rank failed and how. torch's elastic agent does the work:
 where its sockets listen (the rendezvous store has no authentication, so it listens on
 ``--master-addr`` only).
 
+A parameter-server cluster (``--num-ps``) is not one group: the launcher watches each task on its
+own (``mirrored.launch.ps_cluster``), restarts a lost worker task alone (up to ``--max-restarts``
+times each) to rejoin the running job, and ends the job with the chief or a lost ps task.
+
 On a cluster: put the nodes on a private network, pass node 0's address on it as
 ``--master-addr`` and the same ``--master-port`` on every node, set GLOO_SOCKET_IFNAME to that
 network's interface, and keep the ports closed to anything outside the job. Restarts are for
 one node: across nodes, a node whose workers are healthy would not learn that another restarted
-(torchrun's static rendezvous then hangs), so ``--max-restarts`` needs ``--nnodes 1``.
+(torchrun's static rendezvous then hangs), so ``--max-restarts`` needs ``--nnodes 1``, but for
+a parameter-server cluster's workers, each restarted alone.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
 from mirrored.cluster.store import loopback_interface
 from mirrored.launch.agent import launch_folder, restored_process_state, run_agent
 from mirrored.launch.plan import LaunchPlan
+from mirrored.launch.ps_cluster import run_ps_cluster
 from mirrored.launch.stores import (
     BACKEND,
     AddressError,
@@ -70,6 +76,8 @@ def launch(plan: LaunchPlan) -> int:
         os.environ[FINISHED_DIR] = folder
         os.environ[LAUNCHER_PID] = str(os.getpid())
         try:
+            if plan.num_ps:  # each task supervised on its own
+                return run_ps_cluster(plan, port, folder)
             run_agent(plan, port, folder)
         except ChildFailedError as error:
             print(error.format_msg(), file=sys.stderr)
@@ -89,7 +97,13 @@ _VALUE_FLAGS: tuple[tuple[str, type, object, str, str], ...] = (
     ("--node-rank", int, 0, "R", "this machine's rank"),
     ("--master-addr", str, "127.0.0.1", "ADDR", "node 0's address; its store listens there only"),
     ("--master-port", int, 0, "PORT", "the store's port; 0 picks a free one, with one node only"),
-    ("--max-restarts", int, 0, "R", "restarts of the worker group after a failure"),
+    (
+        "--max-restarts",
+        int,
+        0,
+        "R",
+        "restarts of the worker group after a failure (with --num-ps: of each lost worker task)",
+    ),
     ("--monitor-interval", float, 0.1, "S", "seconds between checks on the workers"),
     (
         "--num-ps",

@@ -64,7 +64,7 @@ class LaunchPlan:
             raise ValueError(
                 f"--max-restarts {self.max_restarts}: pass 0 (fail at the first failure) or more"
             )
-        if self.max_restarts > 0 and self.nnodes > 1:
+        if self.max_restarts > 0 and self.nnodes > 1 and not self.num_ps:
             raise ValueError(
                 f"--max-restarts {self.max_restarts} with --nnodes {self.nnodes}: a node whose "
                 "workers are healthy would not know to restart with the failed one; pass "
