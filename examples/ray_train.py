@@ -15,9 +15,12 @@ shuffles with seed + e, so a resumed run ends with the weights of an uninterrupt
 The model and data are examples/distributed_loop.py's: the first article's MLP on scikit-learn's
 8x8 digits, SGD with momentum, 100 examples per replica.
 
-    pip install 'ray[train]'
+    pip install -e '.[examples,ray]'               # in the repository's root
     python examples/ray_train.py                   # a local Ray cluster with 2 CPU workers
     python examples/ray_train.py --address auto    # the Ray cluster this machine belongs to
+
+On a Ray cluster of several machines, every machine needs mirrored installed as here, and
+``--storage-path`` a folder that every machine reaches (shared storage).
 """
 
 from __future__ import annotations
