@@ -23,8 +23,9 @@ included).
   lower it further and win back the overlap with backward.
 
 Across workers no buffer of the model's size (a worker's segment, a flat copy of the
-gradients) is made: staging holds one chunk of every worker's segment, ``_CHUNK_BYTES``, so
-each process's peak is stage 0's less the optimizer state it no longer keeps
+gradients) is made: the staging of each step's collectives holds one chunk of every worker's
+segment (``_CHUNK_BYTES``, a quarter of the parameters for a smaller model) and is dropped
+after them, so each process's peak is stage 0's less the optimizer state it no longer keeps
 (``benchmarks/RESULTS.md``, "ZeRO and peak memory"). In one process the replicas of one device
 already share one optimizer state (owner updates), so there stage 1 saves nothing.
 
@@ -52,7 +53,7 @@ from mirrored.replication.sharded_update import (
     step_owned,
     sum_owned_gradients,
 )
-from mirrored.replication.zero_plan import Piece, describe_parameters, plan_zero
+from mirrored.replication.zero_plan import ParameterSpec, Piece, describe_parameters, plan_zero
 from mirrored.replication.zero_state import (
     consolidated_state,
     dtype_name,
@@ -66,9 +67,10 @@ if TYPE_CHECKING:
     from mirrored.comm.communicator import Communicator
     from mirrored.core.context import ReplicaContext
 
-# What one gather or reduce-scatter across workers moves, every worker's chunk together: each
-# of the two staging buffers per dtype holds this much, whatever the parameters' size. 8 MiB
-# keeps a step's collectives few (benchmarks/zero.py) and the staging small beside the state.
+# What one gather or reduce-scatter across workers moves at most, every worker's chunk together:
+# each of the two staging buffers per dtype holds this much, whatever the parameters' size.
+# 8 MiB keeps a step's collectives few (benchmarks/zero.py) and the staging small beside the
+# optimizer state sharding saves.
 _CHUNK_BYTES = 8 * 2**20
 
 __all__ = ["ZeroRedundancy", "check_zero_stage"]
@@ -82,6 +84,17 @@ def check_zero_stage(zero_stage: int) -> int:
             "state), 1 (shard the optimizer state) or 2 (shard the gradients too)"
         )
     return zero_stage
+
+
+def _chunk_bytes(parameters: Sequence[ParameterSpec]) -> int:
+    """What one collective across workers moves: ``_CHUNK_BYTES`` (read now, not bound at
+    import: the multi-process tests lower it), or a quarter of the trainable parameters' bytes
+    for a model smaller than four chunks, so that the staging stays well below the optimizer
+    state each worker no longer keeps."""
+    total = sum(
+        s.numel * s.dtype.itemsize for s in parameters if s.trainable and s.state_index is not None
+    )
+    return max(1, min(_CHUNK_BYTES, total // 4))
 
 
 def _check_optimizer(stage: int, optimizer: torch.optim.Optimizer) -> None:
@@ -119,10 +132,9 @@ class ZeroRedundancy:
         self.params = [list(p) for p in params]
         self._communicator = communicator
         layout = communicator.layout
-        # _CHUNK_BYTES read now, not bound at import: the multi-process tests lower it.
         parameters = describe_parameters(self.params[0], optimizers[0])
         self.plan = plan_zero(
-            stage, parameters, layout.replicas_per_worker, layout.rank, _CHUNK_BYTES
+            stage, parameters, layout.replicas_per_worker, layout.rank, _chunk_bytes(parameters)
         )
         self._storage = ShardStorage(self.plan, self.params, self.optimizers)
         # Frozen parameters never change: they take no part (and must stay frozen).
@@ -207,35 +219,38 @@ class ZeroRedundancy:
             for position, index in transfer.last_ranges(plan.pieces).items():
                 done_after.setdefault(index, []).append(position)
             self._hand_over(done_after.pop(-1, []), has_grad, reduced, everyone)
+            staging = self._storage.staging(li)
             for index, (a, b) in enumerate(transfer.ranges()):
-                self._reduce_range(li, a, b, everyone, reduced, has_grad)
+                self._reduce_range(li, (a, b), staging, everyone, reduced, has_grad)
                 self._hand_over(done_after.pop(index, []), has_grad, reduced, everyone)
 
     def _reduce_range(
         self,
         li: int,
-        a: int,
-        b: int,
+        span: tuple[int, int],
+        staging: tuple[torch.Tensor, torch.Tensor],
         everyone: Sequence[Sequence[torch.Tensor | None]],
         reduced: dict[int, torch.Tensor],
         has_grad: dict[int, bool],
     ) -> None:
-        """Elements ``a`` to ``b`` of every worker's segment of transfer ``li``: the local sums
-        go out, this worker's range comes back summed into ``reduced`` (piece -> its reduced
-        gradient, made at its first range)."""
-        plan, storage, num_workers = self.plan, self._storage, self.plan.num_workers
-        transfer, n = plan.transfers[li], b - a
-        outgoing = storage.outgoing[li][: num_workers * n]
+        """Elements ``span`` (a to b) of every worker's segment of transfer ``li``, through
+        ``staging`` (its outgoing and incoming buffers): the local sums go out, this worker's
+        range comes back summed into ``reduced`` (piece -> its reduced gradient, made at its
+        first range)."""
+        plan, num_workers = self.plan, self.plan.num_workers
+        (a, b), transfer = span, plan.transfers[li]
+        n = b - a
+        outgoing = staging[0][: num_workers * n]
         outgoing.zero_()
         for w in range(num_workers):
             for k, lo, hi, at in transfer.parts(plan.pieces, w, a, b):
                 position = plan.pieces[k].position
                 parts = [g for grads in everyone if (g := grads[position]) is not None]
                 _sum_into(outgoing[w * n + at : w * n + at + hi - lo], parts, lo, hi)
-        total = storage.outgoing[li][:n]  # what went out is spent once the all-to-all is over
+        total = staging[0][:n]  # what went out is spent once the all-to-all is over
         label = f"ZeRO: gradients ({dtype_name(transfer.layout.dtype)}, from {a})"
         self._communicator.reduce_scatter_across_workers(
-            outgoing, storage.incoming[li][: num_workers * n], total, label
+            outgoing, staging[1][: num_workers * n], total, label
         )
         for k, lo, hi, at in transfer.parts(plan.pieces, plan.worker, a, b):
             piece = plan.pieces[k]
@@ -298,13 +313,14 @@ class ZeroRedundancy:
         from the owners' parameters and written straight into the others'."""
         plan, storage, num_workers = self.plan, self._storage, self.plan.num_workers
         for li, transfer in enumerate(plan.transfers):
+            outgoing, incoming = storage.staging(li)
             for a, b in transfer.ranges():
                 n = b - a
-                mine = storage.outgoing[li][:n]
+                mine = outgoing[:n]
                 for k, lo, hi, at in transfer.parts(plan.pieces, plan.worker, a, b):
                     owner = plan.owners[k] - plan.first_replica
                     mine[at : at + hi - lo].copy_(storage.read_range(owner, k, lo, hi))
-                gathered = storage.incoming[li][: num_workers * n]
+                gathered = incoming[: num_workers * n]
                 label = f"ZeRO: parameters ({dtype_name(transfer.layout.dtype)}, from {a})"
                 self._communicator.all_gather_across_workers(gathered, mine, label)
                 for w in range(num_workers):

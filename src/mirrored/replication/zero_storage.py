@@ -5,8 +5,9 @@ The plan says who owns what; this module allocates it. A whole parameter is step
 owner's optimizer as it is. A cut one is stepped as pieces: parameters of their own over ranges
 of its storage (no copy), with an optimizer of the same kind and hyperparameters, which the
 update being elementwise makes exact. Across workers each dtype also needs staging for one
-chunk of every worker's segment, sized by the plan's transfers: never a buffer of the model's
-size (``benchmarks/RESULTS.md``, "ZeRO and peak memory").
+chunk of every worker's segment, sized by the plan's transfers and made for each step's
+collectives only: never a buffer of the model's size (``benchmarks/RESULTS.md``, "ZeRO and peak
+memory").
 """
 
 from __future__ import annotations
@@ -57,19 +58,19 @@ class ShardStorage:
                 optimizers, plan.shares, self.piece_params, strict=True
             )
         ]
-        # Across workers, per dtype: the staging of one chunk of every worker's segment, what
-        # goes out (at stage 1 this worker's chunk only) and what comes in. No buffer holds a
-        # whole segment: chunks are packed from the parameters and gradients themselves.
-        num_workers = plan.num_workers
-        outgoing = num_workers if plan.stage == 2 else 1
-        self.outgoing = [
-            torch.empty(outgoing * t.chunk, dtype=t.layout.dtype, device=self.device)
-            for t in plan.transfers
-        ]
-        self.incoming = [
-            torch.empty(num_workers * t.chunk, dtype=t.layout.dtype, device=self.device)
-            for t in plan.transfers
-        ]
+
+    def staging(self, li: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Staging for one chunk of every worker's segment of transfer ``li``: what goes out (at
+        stage 1 this worker's chunk only) and what comes in. Made for each step's collectives
+        and dropped after them: between steps (and in backward, where the peak is) ZeRO holds
+        no buffer, and no buffer ever holds a whole segment."""
+        transfer, num_workers = self.plan.transfers[li], self.plan.num_workers
+        outgoing = num_workers if self.plan.stage == 2 else 1
+        dtype = transfer.layout.dtype
+        return (
+            torch.empty(outgoing * transfer.chunk, dtype=dtype, device=self.device),
+            torch.empty(num_workers * transfer.chunk, dtype=dtype, device=self.device),
+        )
 
     def flat(self, r: int, k: int) -> torch.Tensor:
         """Piece ``k`` of replica ``r``'s parameter, as a flat view (or a flat copy, for a
