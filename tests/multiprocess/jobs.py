@@ -27,6 +27,7 @@ from mirrored.comm.same_host_all_reduce import SameHostAllReduce
 from mirrored.comm.wire_compression import bucket_compressor
 from mirrored.core.values import PerReplica, ReduceOp
 from mirrored.replication import zero_redundancy
+from tests.allocations import AllocationCount
 from tests.multiprocess import parameter_server_jobs
 from tests.reference_loops import (
     OPTIMIZERS,
@@ -335,6 +336,30 @@ def zero(out: Path, stage: str) -> None:
         fitted.save(out / "model.pt")
         result["fitted"] = fitted.state_dict()
         _save(strategy, out, result)
+
+
+def zero_memory(out: Path, stage: str) -> None:
+    """zero_stage=``stage`` on one device per worker (one thread allocates, so the count is the
+    same on every run): the tensor bytes alive at the peak from ``strategy.mirror()`` through
+    three steps of Adam, and the largest tensor each of mirrored's modules allocated."""
+    count = AllocationCount()
+    with _strategy(zero_stage=int(stage)) as strategy:
+        torch.manual_seed(0)
+        net = nn.Sequential(*(nn.Linear(32, 32) for _ in range(8)))
+        with count.tracking():
+            model, optimizer = strategy.mirror(net, torch.optim.Adam(net.parameters()))
+        train = _training_step(model, optimizer)
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> None:
+            with count.tracking():
+                train(x, y)
+
+        for x, y in strategy.experimental_distribute_dataset(
+            make_batches(num_examples=3 * 16, features=32)
+        ):
+            strategy.run(step, args=(x, y))
+        parameters = [p.detach() for p in model.module.parameters()]
+        _save(strategy, out, {"peak": count.peak, "largest": count.largest, "model": parameters})
 
 
 def fit_data() -> tuple[torch.Tensor, torch.Tensor]:
@@ -772,6 +797,7 @@ JOBS: dict[str, Callable[..., None]] = {
         preempted,
         heartbeat_at_close,
         zero,
+        zero_memory,
         *parameter_server_jobs.JOBS,
     )
 }
