@@ -53,6 +53,7 @@ from mirrored.replication.local_sgd import LocalSGD
 from mirrored.replication.mirrored_module import MirroredModule
 from mirrored.replication.mirrored_optimizer import MirroredOptimizer
 from mirrored.replication.outside_edits import ReplicasDifferError
+from mirrored.strategies.central_storage import CentralStorageStrategy
 
 # Imported for its effect: it names the strategy in effect outside any scope.
 from mirrored.strategies.default import default_strategy as _default_strategy  # noqa: F401
@@ -72,6 +73,7 @@ _warn_if_untested_torch()  # one UserWarning on a torch release CI does not test
 
 __all__ = [
     "BufferAggregationWarning",
+    "CentralStorageStrategy",
     "Checkpoint",
     "CheckpointManager",
     "ClusterCoordinator",

@@ -85,7 +85,7 @@ class ReductionToOneDevice(CrossDeviceOps):
 
     def __init__(
         self,
-        reduce_to_device: DeviceSpec | None = None,
+        reduce_to_device: DeviceSpec | LogicalDevice | None = None,
         num_packs: int = 1,
         bytes_per_pack: int = 0,
     ) -> None:

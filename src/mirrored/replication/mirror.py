@@ -35,7 +35,7 @@ from mirrored.replication.mirror_checks import (
 from mirrored.replication.mirror_features import NO_FEATURES, MirrorFeatures
 from mirrored.replication.mirrored_module import MIRRORED_BY, MirroredModule, tensors_of
 from mirrored.replication.mirrored_optimizer import MirroredOptimizer
-from mirrored.replication.sharded_update import load_own_copy
+from mirrored.replication.optimizer_copies import replicate_optimizer
 
 if TYPE_CHECKING:
     from mirrored.core.replica_set import ReplicaSet
@@ -46,27 +46,8 @@ __all__ = [
     "check_optimizer_params",
     "mirror_module",
     "parameter_shares",
-    "replicate_optimizer",
     "tensors_of",
 ]
-
-
-def replicate_optimizer(
-    optimizer: torch.optim.Optimizer, mapping: dict[int, nn.Parameter]
-) -> torch.optim.Optimizer:
-    """A copy of ``optimizer`` over other parameters (``mapping``: id of original -> new)."""
-    memo: dict[int, Any] = dict(mapping)
-    replica = copy.deepcopy(optimizer, memo)
-    # torch's Optimizer pickles only its groups and state; what a subclass keeps besides (LBFGS's
-    # _params, the list its first group holds) is copied over the same memo.
-    for name, value in optimizer.__dict__.items():
-        if name not in replica.__dict__:
-            replica.__dict__[name] = copy.deepcopy(value, memo)
-    # An LR scheduler wraps the original's bound step() in an instance attribute; the copy must
-    # use its own class method, not the original's.
-    replica.__dict__.pop("step", None)
-    load_own_copy(replica, optimizer.state_dict())
-    return replica
 
 
 def mirror_module(

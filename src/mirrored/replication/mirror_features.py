@@ -5,7 +5,8 @@ accumulation (:mod:`mirrored.replication.accumulation`), local SGD
 (:mod:`mirrored.replication.local_sgd`), sharded optimizer state
 (:mod:`mirrored.replication.zero_redundancy`) and gradients reduced during backward
 (:mod:`mirrored.replication.gradient_reducer`), each parameter updated once by an owner
-(:mod:`mirrored.replication.sharded_update`); they are planned together once
+(:mod:`mirrored.replication.sharded_update`) or on a central parameter device
+(:mod:`mirrored.replication.central_update`); they are planned together once
 (:mod:`mirrored.replication.update_plan`). This base has none of them, which is what a
 pipeline's optimizer gets; the replicated family
 (:class:`mirrored.strategies.replicated.ReplicatedStrategy`) answers with its own. The mirrored
@@ -21,6 +22,7 @@ import torch
 
 if TYPE_CHECKING:
     from mirrored.replication.accumulation import AccumulationWindow
+    from mirrored.replication.central_update import CentralUpdate
     from mirrored.replication.gradient_reducer import OverlappedGradientReducer
     from mirrored.replication.local_sgd import LocalSteps
     from mirrored.replication.zero_redundancy import ZeroRedundancy
@@ -55,6 +57,15 @@ class MirrorFeatures:
         """Whether each parameter may be updated once, by an owner replica, and copied to the
         others: the replicas' gradients are summed in place, in slices, in every replica."""
         return False
+
+    def central_update(
+        self,
+        optimizers: Sequence[torch.optim.Optimizer],
+        params: Sequence[Sequence[torch.nn.Parameter]],
+    ) -> CentralUpdate | None:
+        """A new mirrored optimizer's update on one parameter device, its state there alone
+        (None: the replicas update)."""
+        return None
 
     def gradient_reducer(
         self,

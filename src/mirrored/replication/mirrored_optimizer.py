@@ -5,9 +5,11 @@ The replicas' gradients are summed while backward runs (:mod:`mirrored.replicati
 gradient_reducer`; with ``zero_stage=2``, or without a reducer, at ``step()``); ``step()``, inside
 ``strategy.run`` on every replica, then updates every replica alike: where the replicas share
 one device's memory with a built-in per-parameter optimizer, each parameter once, by its owner,
-copied to the others (:mod:`mirrored.replication.sharded_update`); otherwise every replica with
-its own optimizer. The strategy's features (:mod:`mirrored.replication.mirror_features`) change
-which steps update and how: gradient accumulation, local SGD, ZeRO sharding.
+copied to the others (:mod:`mirrored.replication.sharded_update`); under a central-storage
+strategy, once on its parameter device (:mod:`mirrored.replication.central_update`); otherwise
+every replica with its own optimizer. The strategy's features
+(:mod:`mirrored.replication.mirror_features`) change which steps update and how: gradient
+accumulation, local SGD, ZeRO sharding.
 """
 
 from __future__ import annotations
@@ -73,12 +75,14 @@ class MirroredOptimizer(ReplicaOptimizers):
         self._plain_tensors = all(type(p.data) is torch.Tensor for p in self._params[0])
         # Accumulation, local SGD, ZeRO, the reducer and owner updates, planned once.
         self._plan = plan_updates(features, optimizers, params)
+        self.forward_loads()  # the program's own optimizer.load_state_dict() reaches every replica
 
     def release(self) -> None:
         """Its module was released: it can no longer step, and takes no part in clipping (the
         module mirrored again holds the same parameters in replica 0)."""
         self.released = True
         self._torch_routes.release()
+        self.stop_forwarding_loads()
         self._strategy.untrack_replicated(self)
 
     @property
@@ -181,7 +185,7 @@ class MirroredOptimizer(ReplicaOptimizers):
         """``step(closure)``: every call of the closure re-evaluates each replica's shard; its
         gradients are summed in its backward (the reducer), its loss here."""
         replica_id = replica.local_replica_id
-        if replica.num_replicas_in_sync == 1:
+        if replica.num_replicas_in_sync == 1 and self._plan.central is None:
             return self.optimizers[replica_id].step(closure)
         refusal = self._plan.closure_refusal()
         if refusal is not None:
@@ -308,6 +312,8 @@ class MirroredOptimizer(ReplicaOptimizers):
                 self._average_running_stats(replica)
         if self._plan.zero is not None:
             return self._plan.zero.step(replica)
+        if self._plan.central is not None:
+            return self._plan.central.step(replica_id)
         return self.optimizers[replica_id].step()
 
     def _step_reduced(
@@ -336,6 +342,10 @@ class MirroredOptimizer(ReplicaOptimizers):
             replica.exchange.barrier("optimizer.step: parameters copied")
             if closure is not None:
                 result = loss
+        elif path is SyncPath.REDUCED_CENTRAL:
+            assert self._plan.central is not None
+            result = self._plan.central.step(replica_id)
+            replica.exchange.barrier("optimizer.step: parameters copied")
         else:
             result = self.optimizers[replica_id].step(closure)
         if self._running_stats[replica_id]:  # after any forward the closure ran
@@ -366,24 +376,27 @@ class MirroredOptimizer(ReplicaOptimizers):
         """Give every replica's optimizer replica 0's state (after a step that failed midway;
         with ``zero_stage``, every replica each owner's values of what it owns instead); an
         unfinished accumulation window is dropped with its gradients."""
-        self._reduced_early = [False] * len(self.optimizers)
-        self._after_update = [False] * len(self.optimizers)
-        if self._plan.reducer is not None:
-            self._plan.reducer.reset()
-        if self._plan.window is not None:
-            self._plan.window.reset()
-            for optimizer in self.optimizers:
-                optimizer.zero_grad(set_to_none=True)
-        if self._plan.local is not None:
-            self._plan.local.align()
-        if self._plan.zero is not None:
-            self._plan.zero.resync()  # each owner's values go with its state
-            return
-        if self._plan.sharded is not None:
-            self._plan.sharded.share_state()
-            return
-        for optimizer in self.optimizers[1:]:
-            load_own_copy(optimizer, self.optimizers[0].state_dict())
+        with self._own_load():  # replica 0's state, not a load of the program's
+            self._reduced_early = [False] * len(self.optimizers)
+            self._after_update = [False] * len(self.optimizers)
+            if self._plan.reducer is not None:
+                self._plan.reducer.reset()
+            if self._plan.window is not None:
+                self._plan.window.reset()
+                for optimizer in self.optimizers:
+                    optimizer.zero_grad(set_to_none=True)
+            if self._plan.local is not None:
+                self._plan.local.align()
+            if self._plan.zero is not None:
+                self._plan.zero.resync()  # each owner's values go with its state
+                return
+            if self._plan.sharded is not None:
+                self._plan.sharded.share_state()
+                return
+            if self._plan.central is not None:
+                return  # one state, on the parameter device: nothing to align
+            for optimizer in self.optimizers[1:]:
+                load_own_copy(optimizer, self.optimizers[0].state_dict())
 
     @property
     def zero_stage(self) -> int:
@@ -399,7 +412,8 @@ class MirroredOptimizer(ReplicaOptimizers):
         return state_bytes(self.optimizers)
 
     def state_dict(self) -> dict[str, Any]:
-        """The plain single-optimizer state (replica 0's; all replicas are identical). With
+        """The plain single-optimizer state (replica 0's; all replicas are identical; under a
+        ``CentralStorageStrategy`` the parameter device's, which replica 0's shows). With
         ``zero_stage`` it is gathered from the owners of the parameters; across workers that
         is a collective: call it on every worker at the same point."""
         self._run_hooks("state_dict_pre")
@@ -414,11 +428,14 @@ class MirroredOptimizer(ReplicaOptimizers):
         """Load the same state into every replica's optimizer (moved to its device); with
         ``zero_stage``, each replica keeps the state of the parameters it owns."""
         state_dict = self._run_hooks("load_state_dict_pre", state_dict)
-        if self._plan.zero is not None:
-            self._plan.zero.load_state_dict(state_dict)
-        else:
-            for optimizer in self.optimizers:
-                load_own_copy(optimizer, state_dict)
-            if self._plan.sharded is not None:
-                self._plan.sharded.share_state()
+        with self._own_load():
+            if self._plan.zero is not None:
+                self._plan.zero.load_state_dict(state_dict)
+            elif self._plan.central is not None:
+                self._plan.central.load_state_dict(state_dict)
+            else:
+                for optimizer in self.optimizers:
+                    load_own_copy(optimizer, state_dict)
+                if self._plan.sharded is not None:
+                    self._plan.sharded.share_state()
         self._run_hooks("load_state_dict_post")

@@ -9,8 +9,10 @@ replica 0's. What a step does is :mod:`mirrored.replication.mirrored_optimizer`'
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -41,6 +43,28 @@ class ReplicaOptimizers(torch.optim.Optimizer):
             name: OrderedDict() for name in _STATE_DICT_HOOKS
         }
         self.optimizers = tuple(optimizers)
+        self._user_load_hooks: list[RemovableHandle] = []
+        self._loading = False  # inside this optimizer's own load_state_dict()
+
+    def forward_loads(self) -> None:
+        """From now on, a state loaded into the original optimizer loads into this one."""
+        self._user_load_hooks = _forward_user_loads(self)
+
+    @contextmanager
+    def _own_load(self) -> Iterator[None]:
+        """This optimizer's own load, which reaches the original optimizer without being
+        forwarded back."""
+        self._loading = True
+        try:
+            yield
+        finally:
+            self._loading = False
+
+    def stop_forwarding_loads(self) -> None:
+        """Leave the original optimizer's loads to it alone (this one was released)."""
+        for handle in self._user_load_hooks:
+            handle.remove()
+        self._user_load_hooks = []
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -133,6 +157,31 @@ class ReplicaOptimizers(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"MirroredOptimizer(replicas={len(self.optimizers)}, optimizer={self.optimizer!r})"
+
+
+def _forward_user_loads(mirrored: ReplicaOptimizers) -> list[RemovableHandle]:
+    """Make a state loaded into the original optimizer (the program's, which ``Model.optimizer``
+    returns) a load into ``mirrored``, which reaches every replica's update: torch's own load
+    would reach replica 0 alone, silently. The hooks hold ``mirrored`` weakly; while it loads
+    (into replica 0's optimizer too: ``_own_load``) they stand aside."""
+    me = weakref.ref(mirrored)
+    loading: list[dict[str, Any]] = []
+
+    def before(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+        target = me()
+        if target is not None and not target._loading:
+            loading.append(state_dict)
+
+    def after(optimizer: torch.optim.Optimizer) -> None:
+        target = me()
+        if loading and target is not None:
+            target.load_state_dict(loading.pop())
+
+    original = mirrored.optimizers[0]
+    return [
+        original.register_load_state_dict_pre_hook(before),
+        original.register_load_state_dict_post_hook(after),
+    ]
 
 
 def holds_any(params: Iterable[nn.Parameter], tensor_ids: set[int]) -> bool:

@@ -1,10 +1,10 @@
 """How a mirrored optimizer's updates run, decided once as it is made.
 
 A strategy's update options (gradient accumulation, local SGD, ZeRO, gradients summed in
-backward, each parameter updated by one owner) are asked of its ``MirrorFeatures`` together,
-here, into a frozen ``UpdatePlan``: the pieces the optimizer drives, and the one path its
-synchronous updates take (``SyncPath``). The optimizer follows the plan; it never works out
-again which combination of features it was given.
+backward, each parameter updated by one owner, the update on a central parameter device) are
+asked of its ``MirrorFeatures`` together, here, into a frozen ``UpdatePlan``: the pieces the
+optimizer drives, and the one path its synchronous updates take (``SyncPath``). The optimizer
+follows the plan; it never works out again which combination of features it was given.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from mirrored.replication.accumulation import AccumulationWindow
+from mirrored.replication.central_update import CentralUpdate
 from mirrored.replication.gradient_reducer import OverlappedGradientReducer
 from mirrored.replication.local_sgd import LocalSteps
 from mirrored.replication.mirror_features import MirrorFeatures
@@ -37,6 +38,8 @@ class SyncPath(enum.Enum):
     REDUCED_ZERO = "summed in backward, each replica updating its ZeRO share"
     # Summed at step(): reduce-scattered to ZeRO-2's owners, or a single replica's own.
     AT_STEP = "summed at step() (zero_stage=2), or one replica's own"
+    # Summed in backward; applied once on the parameter device and copied to every replica.
+    REDUCED_CENTRAL = "summed in backward, applied once on the parameter device"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,11 +51,18 @@ class UpdatePlan:
     zero: ZeroRedundancy | None  # ZeRO's sharded state (None: every replica keeps all)
     reducer: OverlappedGradientReducer | None  # sums gradients in backward (None: at step())
     sharded: ShardedUpdate | None  # owner updates (None: every replica updates)
+    central: CentralUpdate | None  # the update on a parameter device (None: on the replicas)
     path: SyncPath
 
     def closure_refusal(self) -> str | None:
         """Why ``step(closure)`` cannot be exact under this plan (None: it can): each of the
         closure's backward passes must be summed as it runs."""
+        if self.central is not None:
+            return (
+                "optimizer.step(closure) re-evaluates the loss on every replica between updates, "
+                "which a CentralStorageStrategy applies on its parameter device alone; train "
+                "LBFGS with MirroredStrategy"
+            )
         if self.reducer is None or any(
             feature is not None for feature in (self.window, self.local, self.zero)
         ):
@@ -69,17 +79,20 @@ def plan_updates(
     params: Sequence[Sequence[nn.Parameter]],
 ) -> UpdatePlan:
     """The plan of a new mirrored optimizer over ``optimizers`` (one per replica) and their
-    ``params``. Owner updates need replicas sharing one device's memory, a cross-device op that
+    ``params``. A central update (``features.central_update``) excludes owner updates. Owner
+    updates need replicas sharing one device's memory, a cross-device op that
     sums in slices (``features.owner_updates()``), a built-in per-parameter optimizer, and
     neither ZeRO nor local SGD (whose replicas keep optimizer states of their own)."""
     window = features.accumulation_window()
     local = features.local_steps()
     zero = features.zero_redundancy(optimizers, params)
     reducer = features.gradient_reducer(params, window, local)
+    central = features.central_update(optimizers, params)
     shared_memory = len({p[0].device for p in params if p}) == 1
     sharded = None
     if (
         zero is None
+        and central is None
         and local is None
         and len(optimizers) > 1
         and shared_memory
@@ -89,10 +102,12 @@ def plan_updates(
         sharded = ShardedUpdate(optimizers, params)
     if reducer is None:
         path = SyncPath.AT_STEP
+    elif central is not None:
+        path = SyncPath.REDUCED_CENTRAL
     elif zero is not None:
         path = SyncPath.REDUCED_ZERO
     elif sharded is not None:
         path = SyncPath.REDUCED_ON_OWNERS
     else:
         path = SyncPath.REDUCED
-    return UpdatePlan(window, local, zero, reducer, sharded, path)
+    return UpdatePlan(window, local, zero, reducer, sharded, central, path)

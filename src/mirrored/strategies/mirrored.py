@@ -29,12 +29,21 @@ from mirrored.replication.gradient_reducer import (
 from mirrored.replication.local_sgd import LocalSGD, LocalSteps
 from mirrored.strategies.replicated import ReplicatedStrategy, observe_backward
 
-__all__ = ["MirroredStrategy"]
+__all__ = ["MirroredStrategy", "default_devices", "local_devices"]
 
 
 def default_devices() -> list[LogicalDevice]:
     """All logical GPUs when there are any, else all logical CPU devices."""
     return config.list_logical_devices("GPU") or config.list_logical_devices("CPU")
+
+
+def local_devices(devices: Sequence[DeviceSpec | LogicalDevice] | None) -> list[LogicalDevice]:
+    """The logical devices a list of names gives, or ``default_devices()`` for None."""
+    if isinstance(devices, (str, torch.device)):
+        raise TypeError(
+            f"devices={devices!r}: expected a list of devices, such as [{str(devices)!r}]"
+        )
+    return config.resolve_devices(devices) if devices is not None else default_devices()
 
 
 class MirroredStrategy(ReplicatedStrategy):
@@ -86,11 +95,7 @@ class MirroredStrategy(ReplicatedStrategy):
             raise TypeError(
                 f"load_balancing={load_balancing!r}: expected mirrored.LoadBalancing(...)"
             )
-        if isinstance(devices, (str, torch.device)):
-            raise TypeError(
-                f"devices={devices!r}: expected a list of devices, such as [{str(devices)!r}]"
-            )
-        logical = config.resolve_devices(devices) if devices is not None else default_devices()
+        logical = local_devices(devices)
         if isinstance(cross_device_ops, type) and issubclass(cross_device_ops, CrossDeviceOps):
             cross_device_ops = cross_device_ops()  # the class, as the articles write it
         if cross_device_ops is not None and not isinstance(cross_device_ops, CrossDeviceOps):

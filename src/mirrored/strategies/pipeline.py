@@ -57,10 +57,10 @@ from mirrored.pipeline.split import (
 )
 from mirrored.random.routing import ReplicaRandomness, replica_streams
 from mirrored.random.step_seeds import StepSeed
-from mirrored.replication.mirror import replicate_optimizer
 from mirrored.replication.mirror_checks import check_optimizer_params
 from mirrored.replication.mirrored_module import MirroredModule
 from mirrored.replication.mirrored_optimizer import MirroredOptimizer
+from mirrored.replication.optimizer_copies import replicate_optimizer
 from mirrored.replication.replica_optimizers import holds_any
 from mirrored.strategies.in_process import InProcessStrategy
 from mirrored.strategies.mirrored import default_devices
