@@ -100,7 +100,7 @@ def test_a_distributed_sampler_is_refused(
 
 
 def test_workers_on_one_machine_share_its_gpus_and_its_cpu() -> None:
-    def resolver(local_rank: int, local_world_size: int) -> ClusterResolver:
+    def resolver(local_rank: int, local_world_size: int, shared: bool = True) -> ClusterResolver:
         return ClusterResolver(
             task_type="worker",
             task_id=local_rank,
@@ -110,6 +110,7 @@ def test_workers_on_one_machine_share_its_gpus_and_its_cpu() -> None:
             master_port=29500,
             local_rank=local_rank,
             local_world_size=local_world_size,
+            visible_gpus_shared=shared,
         )
 
     gpus = [
@@ -123,6 +124,8 @@ def test_workers_on_one_machine_share_its_gpus_and_its_cpu() -> None:
     assert local_share(cpus, resolver(1, 2)) == cpus
     with pytest.raises(ValueError, match="3 workers on this machine but 2 GPU"):
         local_share(gpus[:2], resolver(0, 3))
+    # GPUs a launcher bound to this worker alone (srun --gpus-per-task) are all its own.
+    assert local_share(gpus[:1], resolver(1, 2, shared=False)) == gpus[:1]
 
 
 def test_close_leaves_no_process_group() -> None:

@@ -59,11 +59,12 @@ _DEFAULT_TIMEOUT_SECONDS = 1800.0
 
 
 def local_share(devices: Sequence[LogicalDevice], resolver: ClusterResolver) -> list[LogicalDevice]:
-    """This worker's part of the machine's GPUs when several workers share the machine (its
-    ``local_rank``-th equal slice); every device otherwise, and the CPU's logical devices always
-    (workers on one machine share its cores)."""
+    """This worker's part of the machine's GPUs when several workers share the machine's GPUs
+    (its ``local_rank``-th equal slice); every device otherwise (one worker, or GPUs the launcher
+    bound to this worker alone: ``resolver.visible_gpus_shared`` False), and the CPU's logical
+    devices always (workers on one machine share its cores)."""
     gpus = [d for d in devices if d.device_type == "GPU"]
-    if not gpus or resolver.local_world_size == 1:
+    if not gpus or resolver.local_world_size == 1 or not resolver.visible_gpus_shared:
         return list(devices)
     share, workers = len(gpus) // resolver.local_world_size, resolver.local_world_size
     if not share:
