@@ -103,14 +103,17 @@ def sum_owned_gradients(
         param.grad = total
 
 
-def step_owned(optimizer: torch.optim.Optimizer, owned: set[int]) -> Any:
+def step_owned(optimizer: torch.optim.Optimizer, owned: set[int], concurrent: bool) -> Any:
     """``optimizer.step()`` over the parameters whose ids are in ``owned`` only (the others keep
-    their values and get no state); the groups are restored afterwards."""
+    their values and get no state); the groups are restored afterwards. ``concurrent``: other
+    replica threads step at the same time, so the foreach path pays for its temporaries (one
+    tensor per parameter stepped, alive at once); a lone replica keeps torch's choice (on the
+    CPU a loop, one temporary at a time: benchmarks/RESULTS.md, "ZeRO and peak memory")."""
     saved = [(group["params"], group.get("foreach")) for group in optimizer.param_groups]
     try:
         for group, (params, _) in zip(optimizer.param_groups, saved, strict=True):
             group["params"] = [p for p in params if id(p) in owned]
-            if _left_to_torch(group):
+            if concurrent and _left_to_torch(group):
                 group["foreach"] = True
         return optimizer.step()
     finally:
@@ -179,7 +182,7 @@ class ShardedUpdate:
         The caller must make replicas wait for each other before the parameters are read again.
         """
         optimizer = self.optimizers[replica_id]
-        result = step_owned(optimizer, self._owned_ids[replica_id])
+        result = step_owned(optimizer, self._owned_ids[replica_id], concurrent=True)
         mine = self.params[replica_id]
         peers = [r for r in range(len(self.optimizers)) if r != replica_id]
         with torch.no_grad():

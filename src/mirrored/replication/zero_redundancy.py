@@ -131,6 +131,7 @@ class ZeroRedundancy:
         self.optimizers = list(optimizers)
         self.params = [list(p) for p in params]
         self._communicator = communicator
+        self._concurrent = len(self.optimizers) > 1  # replica threads step at once
         layout = communicator.layout
         parameters = describe_parameters(self.params[0], optimizers[0])
         self.plan = plan_zero(
@@ -293,7 +294,7 @@ class ZeroRedundancy:
         r = replica.local_replica_id
         self._check_frozen(r)
         owned = self.plan.shares[r].owned
-        result = step_owned(self.optimizers[r], self._storage.whole_ids[r])
+        result = step_owned(self.optimizers[r], self._storage.whole_ids[r], self._concurrent)
         self._step_pieces(r)
         with torch.no_grad():
             replica.exchange.barrier("ZeRO: parameters updated", cross_device=True)
@@ -366,7 +367,7 @@ class ZeroRedundancy:
                     if grad is None
                     else grad.reshape(-1)[piece.start : piece.start + piece.numel]
                 )
-        step_owned(optimizer, {id(p) for p in pieces.values()})
+        step_owned(optimizer, {id(p) for p in pieces.values()}, self._concurrent)
         for piece_param in pieces.values():
             piece_param.grad = None
 
