@@ -172,13 +172,14 @@ class ReplicatedStrategy(InProcessStrategy, MirrorFeatures):
         if self.zero_stage == 0:
             return None
         physical = {d.physical for d in self.devices}
-        if self.communicator.workers is None and len(physical) == 1:
+        if self.zero_stage == 1 and self.communicator.workers is None and len(physical) == 1:
+            replicas = f"{len(self.devices)} replica{'s' if len(self.devices) > 1 else ''}"
             warnings.warn(
-                f"zero_stage={self.zero_stage} saves no memory on {len(self.devices)} replicas "
-                f"sharing one device's memory ({next(iter(physical))}): they already keep one "
-                "optimizer state, each parameter updated by its owner, and ZeRO adds buffers "
-                "per replica (a higher peak). Use zero_stage=0 here; ZeRO pays across GPUs or "
-                "worker processes",
+                f"zero_stage=1 saves no memory on {replicas} sharing one device's memory "
+                f"({next(iter(physical))}): they already keep one optimizer state, each "
+                "parameter updated by its owner, so the peak is zero_stage=0's. zero_stage=2 "
+                "lowers it there (the gradients are summed at optimizer.step(), with no "
+                "reduction buckets); ZeRO-1 pays across GPUs or worker processes",
                 stacklevel=user_stacklevel(),
             )
         return ZeroRedundancy(self.zero_stage, optimizers, params, self.communicator)
