@@ -10,9 +10,10 @@ uncaught error prints its traceback and exits 1).
 Only variables that are read when a job runs may differ between a worker and the server
 (``RUN_TIME_VARIABLES``): anything else could have been read at import, so ``spawn`` starts a
 fresh interpreter for such a worker instead. The server is single-threaded (OpenMP and BLAS see
-``OMP_NUM_THREADS=1``), so a fork copies no lock held by another thread; it reports each
-worker's exit status (``-N`` for signal N, as ``subprocess`` does) on the request's connection,
-and ends when its standard input closes (the test session ended).
+``OMP_NUM_THREADS=1``, pyarrow's allocator ``_SINGLE_THREADED``), so a fork copies no lock held
+by another thread; it reports each worker's exit status (``-N`` for signal N, as ``subprocess``
+does) on the request's connection, and ends when its standard input closes (the test session
+ended).
 """
 
 from __future__ import annotations
@@ -54,6 +55,11 @@ RUN_TIME_VARIABLES = frozenset(
         "PYTEST_CURRENT_TEST",
     }
 )
+# pandas, which scikit-learn imports, imports pyarrow where it is installed (Ray Train installs
+# it); pyarrow's jemalloc starts a background thread at import unless told not to, and a thread
+# in the server would make every fork unsafe (the server refuses to fork: "the fork server ended
+# before reporting"). jemalloc reads this when pyarrow loads, so it is set before the imports.
+_SINGLE_THREADED = {"JE_ARROW_MALLOC_CONF": "background_thread:false"}
 _REAP_SECONDS = 0.02  # how often the server collects its workers' exit statuses
 _READY = "fork server ready:"  # then what the imports set in the environment, as JSON
 
@@ -67,6 +73,7 @@ def forkable(argv: Sequence[str]) -> bool:
 def serve(path: str) -> list[str]:
     """Fork a worker per request on ``path`` until standard input closes; return, in a worker
     only, its interpreter arguments (``forkable``)."""
+    os.environ.update(_SINGLE_THREADED)
     before = dict(os.environ)
     for name in PRELOADED:
         importlib.import_module(name)
