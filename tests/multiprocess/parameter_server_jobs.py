@@ -21,6 +21,9 @@ from torch import nn
 
 import mirrored
 from mirrored.coordinator.cluster_coordinator import ClusterCoordinator, ScheduledFunctionError
+from mirrored.parameter_server import rpc_cluster
+from mirrored.parameter_server import task as parameter_server_task
+from mirrored.parameter_server import worker as parameter_server_worker
 from mirrored.partitioners import FixedShardsPartitioner
 from mirrored.strategies.parameter_server import ParameterServerStrategy
 
@@ -305,6 +308,31 @@ def counter(out: Path, fault: str, mode: str = "async", phase: str = "first") ->
         torch.save(record, out / f"chief-{phase}.pt")
 
 
+def launched_worker_lost(out: Path, when: str) -> None:
+    """``counter`` without a fault, under ``mirrored launch`` (worker1 is rank 2), whose
+    worker1's first process dies: "joining" the RPC group (it counted itself, but never
+    joined), "mirror" (as the chief gives it the model) or "stop" (as the chief's close tells it
+    to stop). The launcher restarts it; the chief's process ends once the restart has begun."""
+    restarted = out / "worker1-restarted"
+    if os.environ["RANK"] == "2" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+        module, name = {
+            "joining": (rpc_cluster, "_init_rpc"),
+            "mirror": (parameter_server_worker, "register_model"),
+            "stop": (parameter_server_task, "stop"),
+        }[when]
+        setattr(module, name, _die_instead)
+    elif os.environ["RANK"] == "2":
+        restarted.touch()
+    counter(out, "none")
+    deadline = time.monotonic() + 60  # only the chief gets here
+    while not restarted.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _die_instead(*args: Any) -> None:
+    _die()
+
+
 def task_index(context: mirrored.InputContext) -> list[int]:
     """A per-worker dataset that says which worker task built it."""
     return [context.input_pipeline_id]
@@ -519,6 +547,7 @@ JOBS = (
     synchronous_rounds,
     checkpoint_resume,
     counter,
+    launched_worker_lost,
     rejoin,
     coordinator_rules,
     missing_tasks,

@@ -207,6 +207,24 @@ def test_under_mirrored_launch_a_killed_worker_is_restarted_and_rejoins(tmp_path
     _assert_rejoined(tmp_path, "async")
 
 
+@pytest.mark.parametrize("when", ["joining", "mirror", "stop"])
+def test_under_mirrored_launch_a_worker_lost_as_it_joins_or_leaves_is_restarted(
+    tmp_path: Path, when: str
+) -> None:
+    """worker1's first process dies as it joins (the restart joins as worker1: the chief still
+    waited for it), as the chief's mirror() reaches it (given up, not an error) or as the
+    chief's close() stops it (the restart is told the job has ended)."""
+    status, output = _launch("launched_worker_lost", tmp_path, when, max_restarts=1)
+    assert status == 0, output
+    assert "worker1 (rank 2) ended with signal SIGKILL; restarting it" in output
+    result = torch.load(tmp_path / "chief-first.pt", weights_only=True)
+    assert torch.equal(result["value"], torch.full((4,), -156.0))
+    if when == "joining":
+        assert set(result["ran_on"]) <= {"worker0", "worker1"}, result["ran_on"]
+    if when == "stop":
+        assert "worker1 was restarted but cannot rejoin: the job has ended" in output
+
+
 @pytest.mark.parametrize(
     ("fault", "line"),
     [

@@ -43,6 +43,12 @@ def _answer(store: dist.TCPStore, refusal: str, requests: list[list[str]]) -> th
     return thread
 
 
+def _joined(store: dist.TCPStore, task: str) -> None:
+    """``task``'s first process counts itself and joins the group (as ``start_rpc`` records)."""
+    member = _incarnation(_client(store), task, CLUSTER, 5)
+    _client(store).set(f"mirrored/rpc_cluster/joined/{task}", member.name)
+
+
 def test_a_first_start_joins_under_the_task_s_own_name_and_rank(store: dist.TCPStore) -> None:
     assert _incarnation(_client(store), "worker1", CLUSTER, 5) == Member("worker1", "worker1", 2)
     assert _incarnation(_client(store), "ps0", CLUSTER, 5) == Member("ps0", "ps0", 3)
@@ -51,7 +57,7 @@ def test_a_first_start_joins_under_the_task_s_own_name_and_rank(store: dist.TCPS
 def test_restarted_workers_join_as_new_incarnations_with_ranks_of_their_own(
     store: dist.TCPStore,
 ) -> None:
-    _incarnation(_client(store), "worker1", CLUSTER, 5)
+    _joined(store, "worker1")
     requests: list[list[str]] = []
     answering = _answer(store, "", requests)
     assert _incarnation(_client(store), "worker1", CLUSTER, 5) == Member("worker1", "worker1_2", 4)
@@ -60,20 +66,36 @@ def test_restarted_workers_join_as_new_incarnations_with_ranks_of_their_own(
 
 
 def test_a_refused_worker_exits_with_the_chief_s_reason(store: dist.TCPStore) -> None:
-    _incarnation(_client(store), "worker0", CLUSTER, 5)
+    _joined(store, "worker0")
     answering = _answer(store, "the job has ended", [])
     with pytest.raises(SystemExit, match="worker0 was restarted but cannot rejoin: the job has"):
-        _incarnation(_client(store), "worker0", CLUSTER, 5)
+        _joined(store, "worker0")
     answering.join()
 
 
 def test_an_unanswered_worker_gives_up_after_the_timeout(store: dist.TCPStore) -> None:
-    _incarnation(_client(store), "worker0", CLUSTER, 5)
+    _joined(store, "worker0")
     with pytest.raises(SystemExit, match=r"did not admit it within 0\.5 s"):
         _incarnation(_client(store), "worker0", CLUSTER, 0.5)
 
 
 def test_a_restarted_ps_task_is_told_to_restart_the_job(store: dist.TCPStore) -> None:
-    _incarnation(_client(store), "ps0", CLUSTER, 5)
+    _joined(store, "ps0")
     with pytest.raises(SystemExit, match=r"restart the whole job \(every task\); it resumes from"):
-        _incarnation(_client(store), "ps0", CLUSTER, 5)
+        _joined(store, "ps0")
+
+
+@pytest.mark.parametrize("task", ["worker1", "ps0"])
+def test_a_restart_of_a_task_lost_before_it_joined_joins_as_the_task(
+    store: dist.TCPStore, task: str
+) -> None:
+    """The chief still waits for the task itself: its restart takes its name and rank."""
+    first = _incarnation(_client(store), task, CLUSTER, 5)  # then lost before it joined
+    assert _incarnation(_client(store), task, CLUSTER, 5) == first
+
+
+def test_a_restarted_worker_is_told_once_the_chief_takes_no_more(store: dist.TCPStore) -> None:
+    _joined(store, "worker0")
+    _client(store).set("mirrored/rpc_cluster/closed", "")  # Admissions.stop()
+    with pytest.raises(SystemExit, match="worker0 was restarted but cannot rejoin: the job has"):
+        _incarnation(_client(store), "worker0", CLUSTER, 5)

@@ -290,12 +290,12 @@ class ClusterCoordinator:
                 self._add_worker(member.name)
                 self._condition.notify_all()
 
-    def retire_worker(self, worker: str) -> None:
+    def retire_worker(self, worker: str, why: str) -> None:
         """Take no more functions to ``worker``, and count no result it still returns (its
-        function runs again elsewhere): its task was restarted (the strategy says so:
-        ``WorkerListener``)."""
+        function runs again elsewhere): it was lost, or its task was restarted (``why``; the
+        strategy says so: ``WorkerListener``)."""
         with self._condition:
-            self._drop(worker, "its task was restarted")
+            self._drop(worker, why)
 
     def _drop(self, worker: str, why: object) -> None:
         """``worker`` takes no more functions (under the condition). With no worker left, the

@@ -66,10 +66,10 @@ class PerWorkerDatasets:
     def create(self, dataset_fn: Callable[[InputContext], Iterable[Any]]) -> PerWorkerDataset:
         """Build ``dataset_fn``'s dataset on every worker taking part, and remember it."""
         dataset_id = next(self._ids)
-        with self.strategy.stable_members() as members:  # a worker that rejoins builds it too
-            futures = [self._build(dataset_id, dataset_fn, member) for member in members]
-            for future in futures:
-                future.wait()
+        with self.strategy.stable_members():  # a worker that rejoins builds it too
+            self.strategy.on_every_worker(
+                lambda member: self._build(dataset_id, dataset_fn, member)
+            )
             self._built.append((dataset_id, dataset_fn))
         return PerWorkerDataset(dataset_id)
 

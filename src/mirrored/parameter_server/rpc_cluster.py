@@ -26,6 +26,7 @@ the defaults listen on 127.0.0.1 only.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import secrets
 import threading
@@ -54,6 +55,7 @@ __all__ = [
 
 _SCHEME = "mirrored-rpc"
 _PREFIX = "mirrored/rpc_cluster"  # this module's keys in the chief's store
+_CLOSED = f"{_PREFIX}/closed"  # set once the chief takes no more restarted workers
 _handler_registered = False
 _stores: dict[str, dist.Store] = {}  # the store handed to init_rpc, by the URL's "store"
 
@@ -123,6 +125,7 @@ def start_rpc(
     client = dist.TCPStore(host, port, None, False, timeout=timeout)
     member = _incarnation(client, task, cluster, timeout_seconds)
     _init_rpc(member, host, port, timeout_seconds)
+    client.set(f"{_PREFIX}/joined/{task}", member.name)
     return member, None
 
 
@@ -174,10 +177,11 @@ def _is_member(name: str) -> bool:
 def _incarnation(
     client: dist.TCPStore, task: str, cluster: RpcCluster, timeout_seconds: float
 ) -> Member:
-    """Who this process joins as: ``task`` itself the first time; after a restart, a worker's
-    next incarnation once the chief admits it (a ps task's state died with it: no way back)."""
+    """Who this process joins as: ``task`` itself the first time, and after a restart of one
+    lost before it joined (the chief waits for ``task``); else, a worker's next incarnation once
+    the chief admits it (a ps task's state died with it: no way back)."""
     incarnation = client.add(f"{_PREFIX}/incarnations/{task}", 1)
-    if incarnation == 1:
+    if incarnation == 1 or not client.check([f"{_PREFIX}/joined/{task}"]):
         return Member(task, task, cluster.rank(task))
     if task not in cluster.workers:
         raise SystemExit(
@@ -193,6 +197,8 @@ def _incarnation(
     deadline = time.monotonic() + timeout_seconds
     try:
         while not client.check([answer_key]):
+            if client.check([_CLOSED]):
+                raise SystemExit(f"{task} was restarted but cannot rejoin: the job has ended")
             if time.monotonic() > deadline:
                 raise SystemExit(
                     f"{task} was restarted and asked to rejoin, but the coordinator did not "
@@ -265,9 +271,12 @@ class Admissions:
             self._welcome(member)
 
     def stop(self) -> None:
-        """Take no more requests (one being served finishes first)."""
+        """Take no more requests (one being served finishes first); a worker that asks, or
+        still waits for an answer, is told the job has ended."""
         self._stopping.set()
         self._thread.join()
+        with contextlib.suppress(dist.DistError):  # the store is gone: so are its workers
+            self._client.set(_CLOSED, "")
 
 
 def forget_member(member: Member) -> None:

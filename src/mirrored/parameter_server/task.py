@@ -13,10 +13,11 @@ import datetime
 import threading
 
 import torch.distributed as dist
+import torch.distributed.rpc as rpc
 
 from mirrored.parameter_server.rpc_cluster import stop_rpc
 
-__all__ = ["serve", "stop"]
+__all__ = ["answers", "serve", "stop"]
 
 _stop_serving = threading.Event()  # set by the coordinator's last message to this task
 _chief_failure: str | None = None  # why the coordinator's program failed, in that message
@@ -28,6 +29,19 @@ def stop(failure: str | None) -> None:
     global _chief_failure
     _chief_failure = failure
     _stop_serving.set()
+
+
+def answers(task: str, timeout_seconds: float) -> bool:
+    """Whether ``task`` still answers an RPC, within ``timeout_seconds``."""
+    try:
+        rpc.rpc_sync(task, _answer, timeout=timeout_seconds)
+    except Exception:
+        return False
+    return True
+
+
+def _answer() -> None:
+    """Run by RPC: ``answers``."""
 
 
 def serve(name: str, host: str, port: int) -> None:

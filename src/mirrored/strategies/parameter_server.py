@@ -74,8 +74,9 @@ class WorkerListener(Protocol):
         """Whether the coordinator was closed (a strategy then takes a new one)."""
         ...
 
-    def retire_worker(self, worker: str) -> None:
-        """Hand ``worker`` nothing more, and count nothing it still returns."""
+    def retire_worker(self, worker: str, why: str) -> None:
+        """Hand ``worker`` nothing more, and count nothing it still returns (``why``: it was
+        lost, or its task restarted)."""
         ...
 
     def welcome_worker(self, member: Member) -> None:
@@ -237,7 +238,7 @@ class ParameterServerStrategy(Strategy):
         futures = self._place(model_id, tensors, shards, optimizer_class, param_groups)
         mirrored = MirroredModel(model_id, module, tuple(shards), param_groups)
         with self._membership:  # a worker admitted meanwhile gets this model too
-            futures += [self._register(mirrored, member.name) for member in self._live_members()]
+            self.on_every_worker(lambda member: self._register(mirrored, member.name))
             for future in futures:
                 future.wait()
             self.models.append(mirrored)
@@ -321,6 +322,22 @@ class ParameterServerStrategy(Strategy):
         """Which worker task ``member`` runs: the shard of the per-worker datasets it builds."""
         return self.cluster.workers.index(member.task)
 
+    def on_every_worker(self, send: Callable[[Member], Any]) -> None:
+        """``send(member)`` (an RPC, its future) to every worker taking part, then wait for
+        each. One that fails and no longer answers is given up, as the coordinator gives up a
+        lost worker (restarted, it rejoins and gets everything); others' errors are raised."""
+        with self._membership:
+            futures = [(member, send(member)) for member in self._live_members()]
+            for member, future in futures:
+                try:
+                    future.wait()
+                except Exception as error:
+                    if parameter_server_task.answers(member.name, self.timeout_seconds):
+                        raise
+                    if self._coordinator is not None:
+                        self._coordinator.retire_worker(member.name, f"lost ({error})")
+                    self.give_up_worker(member.name)
+
     def give_up_worker(self, worker: str) -> None:
         """No push of ``worker`` counts from now on: every ps task fences it (a push under way
         finishes first). Raises when a ps task does not answer."""
@@ -339,7 +356,7 @@ class ParameterServerStrategy(Strategy):
             earlier = [self._workers[member.task], self._admitted.get(member.task)]
             for old in filter(None, earlier):
                 if self._coordinator is not None:
-                    self._coordinator.retire_worker(old.name)  # nothing it still returns counts
+                    self._coordinator.retire_worker(old.name, "its task was restarted")
                 self.give_up_worker(old.name)
                 forget_member(old)
             self._admitted[member.task] = member
