@@ -63,29 +63,45 @@ class CentralUpdate:
         else:
             self._central = self._params[owner]
             self.optimizer = optimizers[owner]
+        self._updated: list[int] = []  # positions the last update changed
         for optimizer in self._optimizers:  # the state lives once, in the central optimizer
             if optimizer is not self.optimizer:
                 optimizer.state.clear()
         self._share_state()
 
     def step(self, replica_id: int) -> Any:
-        """On the updating replica's thread: update the central parameters with replica 0's
-        gradients (the global batch's) and copy them to every replica; on the others, nothing
-        (the caller makes every replica wait before the parameters are read again)."""
+        """The whole step of a single replica: ``update``, then ``copy_out``."""
+        result = self.update(replica_id)
+        self.copy_out(replica_id)
+        return result
+
+    def update(self, replica_id: int) -> Any:
+        """On the updating replica's thread: update the central parameters with the global
+        batch's gradients, and wait for the device to finish (the other replicas copy the
+        values next, on streams of their own); on the others, nothing. The caller makes every
+        replica wait for it before any calls ``copy_out``."""
         if replica_id != self.updater:
             return None
         if self._owner is None:
             self._take_replica_values()
         result = self.optimizer.step()
-        with torch.no_grad():
-            for replica_params in self._params:
-                if replica_params is self._central:
-                    continue
-                for param, central in zip(replica_params, self._central, strict=True):
-                    if central.grad is not None:  # no gradient: the update left it alone
-                        param.copy_(central, non_blocking=True)
+        # Those with a gradient (the update left the others alone), noted before the updating
+        # replica goes on to zero its gradients while the others copy.
+        self._updated = [i for i, central in enumerate(self._central) if central.grad is not None]
         self._share_state()
+        if self.parameter_device.type == "cuda":
+            torch.cuda.current_stream(self.parameter_device).synchronize()
         return result
+
+    def copy_out(self, replica_id: int) -> None:
+        """The updated values into this replica's parameters, on its own thread and stream (so
+        its next kernels are ordered after the copy)."""
+        mine = self._params[replica_id]
+        if mine is self._central:
+            return
+        with torch.no_grad():
+            for index in self._updated:
+                mine[index].copy_(self._central[index])
 
     def _share_state(self) -> None:
         """Show the central state in the user's optimizer (replica 0's) too, the same tensors

@@ -344,8 +344,9 @@ class MirroredOptimizer(ReplicaOptimizers):
                 result = loss
         elif path is SyncPath.REDUCED_CENTRAL:
             assert self._plan.central is not None
-            result = self._plan.central.step(replica_id)
-            replica.exchange.barrier("optimizer.step: parameters copied")
+            result = self._plan.central.update(replica_id)
+            replica.exchange.barrier("optimizer.step: central update")
+            self._plan.central.copy_out(replica_id)
         else:
             result = self.optimizers[replica_id].step(closure)
         if self._running_stats[replica_id]:  # after any forward the closure ran
