@@ -91,3 +91,23 @@ def test_zero_on_logical_gpus_matches_one_gpu_with_1_over_n_of_the_state(fresh_c
         for key, value in expected.items():
             assert state[index][key].device == value.device, (index, key)
             assert_close_float64(state[index][key], value)
+
+
+@pytest.mark.parametrize("parameter_device", ["cpu:0", "cuda:0"])
+def test_central_storage_on_logical_gpus_matches_the_single_gpu_loop(
+    fresh_config, parameter_device
+):
+    """The update on the CPU (TensorFlow's default with several GPUs) or on the first GPU's
+    replica, each replica copying the new values on its own stream."""
+    devices = _split_first_gpu(3, memory_limit=1024)
+    batches = [(x.cuda(), y.cuda()) for x, y in make_batches()]
+    reference = make_mlp().cuda()
+    train_plain(reference, OPTIMIZERS["adam"](reference), batches)
+    with mirrored.CentralStorageStrategy(devices, parameter_device) as strategy:
+        with strategy.scope():
+            model = make_mlp()
+        trained, optimizer, _ = train_mirrored(strategy, model, OPTIMIZERS["adam"](model), batches)
+        state = next(iter(optimizer.update_plan.central.optimizer.state.values()))
+        assert state["exp_avg"].device.type == torch.device(parameter_device).type
+    assert_same_parameters(reference, trained)
+    assert_replicas_identical(trained)
