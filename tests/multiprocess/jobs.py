@@ -100,12 +100,13 @@ def custom_loop(
     compression: str = "",
 ) -> None:
     """The reference custom loop on the MLP, ragged last batch included; with ``user_group``
-    the program sets up torch.distributed itself first and keeps its group afterwards; with
+    the program sets up torch.distributed itself first (``_form_group``) and keeps its group
+    afterwards; with
     ``accumulation`` k, one update every k steps; with ``keep_zeroed_gradients``,
     ``zero_grad(set_to_none=False)``; with ``local_sgd_period``, local SGD; ``compression``
     as ``_compression`` reads it."""
     if user_group:
-        torch.distributed.init_process_group("gloo")
+        _form_group(user_group)
     sizes: dict[str, list[int]] = {"gloo": [], "shared memory": []}
 
     def counting(transport: str, all_reduce: Callable[..., Any]) -> Callable[..., Any]:
@@ -136,10 +137,32 @@ def custom_loop(
             set_to_none=not keep_zeroed_gradients,
         )
         replicas = [r.state_dict() for r in mirrored_model.replicas]
-        _save(strategy, out, {"losses": losses, "replicas": replicas, "all_reduces": sizes})
+        resolver = strategy.cluster_resolver
+        place = (type(resolver).__name__, resolver.local_rank, resolver.local_world_size)
+        _save(
+            strategy,
+            out,
+            {"losses": losses, "replicas": replicas, "all_reduces": sizes, "resolver": place},
+        )
     if user_group:
         assert torch.distributed.is_initialized(), "the strategy closed the program's group"
         torch.distributed.destroy_process_group()
+
+
+def _form_group(init_method: str) -> None:
+    """The program's own process group: ``env://`` from torchrun's variables, or ``tcp://`` as
+    Ray Train's ``TorchConfig(init_method="tcp")`` forms it, which leaves RANK and WORLD_SIZE but
+    no MASTER_ADDR or MASTER_PORT in the environment."""
+    if init_method == "env://":
+        torch.distributed.init_process_group("gloo")
+        return
+    address = f"tcp://{os.environ.pop('MASTER_ADDR')}:{os.environ.pop('MASTER_PORT')}"
+    torch.distributed.init_process_group(
+        "gloo",
+        init_method=address,
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+    )
 
 
 class CountingDataset(TensorDataset):

@@ -64,7 +64,8 @@ def _assert_close(expected: dict[str, torch.Tensor], actual: dict[str, torch.Ten
         ("adam", 2, "torchrun", "", 0, "RING"),
         ("adam", 2, "torchrun", "", 256, "AUTO"),  # the MLP's gradients in 6 buckets
         ("adam", 1, "tf_config", "", 0, "AUTO"),
-        ("sgd", 1, "torchrun", "the program's own process group", 0, "AUTO"),
+        ("sgd", 1, "torchrun", "env://", 0, "AUTO"),  # the program's own process group
+        ("sgd", 1, "torchrun", "tcp://", 0, "AUTO"),  # Ray's with init_method="tcp": no MASTER_*
     ],
 )
 def test_custom_loop_equals_one_device(
@@ -100,7 +101,9 @@ def test_custom_loop_equals_one_device(
         assert gradient_sizes == [5 + 1, 80 + 1, 16 + 1, 512 + 1, 32 + 1, 384 + 1] * steps
     else:
         assert gradient_sizes == [1029 + 6] * steps
-    for result in results:
+    for rank, result in enumerate(results):
+        if user_group:  # the group's workers, both on this machine
+            assert result["resolver"] == ("ProcessGroupClusterResolver", rank, 2)
         assert len(result["replicas"]) == logical_devices
         for replica in result["replicas"]:
             _assert_close(model.state_dict(), replica)

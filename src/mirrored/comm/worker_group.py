@@ -119,6 +119,13 @@ class WorkerGroup:
             self._start_process_group(resolver, datetime.timedelta(seconds=timeout_seconds))
         else:  # the user's program set up torch.distributed itself: join its default group
             self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+            if (resolver.rank, resolver.world_size) != (self.rank, self.world_size):
+                raise ValueError(
+                    f"the cluster resolver makes this process worker {resolver.rank} of "
+                    f"{resolver.world_size}, but it is rank {self.rank} of {self.world_size} in "
+                    "the torch.distributed process group it joins; pass no cluster_resolver "
+                    "(the group's ranks are then the workers') or one that agrees with the group"
+                )
             self._store: dist.Store = default_store()
             self._address: tuple[str, int] | None = None
             self._prefix = "mirrored/joined"

@@ -22,6 +22,7 @@ from torch import nn
 
 from mirrored.cluster.resolvers import ClusterResolver, resolve_cluster
 from mirrored.comm.communicator import Communicator
+from mirrored.comm.formed_group import ProcessGroupClusterResolver
 from mirrored.comm.options import (
     CommunicationImplementation,
     CommunicationOptions,
@@ -101,8 +102,9 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
 
     Args:
         communication_options: ``CommunicationOptions`` (bucket size, timeout, gloo/NCCL).
-        cluster_resolver: who this worker is; by default from torchrun's environment, else
-            ``TF_CONFIG``, else a single local worker.
+        cluster_resolver: who this worker is; by default the process group the program (or Ray
+            Train) formed already, else torchrun's environment, else ``TF_CONFIG``, else an
+            ``srun`` step, else a single local worker.
         devices: this worker's devices, as for MirroredStrategy (default: its GPUs, split
             evenly between the workers of its machine, else its logical CPU devices).
         gradient_accumulation_steps: as for MirroredStrategy: one reduction across the workers
@@ -140,8 +142,10 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
                 "reduce-scatters the full-precision gradients at optimizer.step(); use "
                 "zero_stage=1 (compressed all-reduce during backward) or no compression"
             )
-        resolver = cluster_resolver or resolve_cluster()
         timeout = options.timeout_seconds or _DEFAULT_TIMEOUT_SECONDS
+        if cluster_resolver is None and torch.distributed.is_initialized():
+            cluster_resolver = ProcessGroupClusterResolver(timeout)  # the group: no rendezvous
+        resolver = cluster_resolver or resolve_cluster()
         if devices is None:
             devices = local_share(default_devices(), resolver)
         super().__init__(
