@@ -37,6 +37,7 @@ from mirrored.launch.stores import BACKEND, RUN_ID
 from mirrored.launch.worker import finished_marker
 
 __all__ = [
+    "STOP_SIGNALS",
     "describe_status",
     "finished_anyway",
     "launch_folder",
@@ -44,8 +45,9 @@ __all__ = [
     "run_agent",
 ]
 
-# The agent installs handlers for these (TORCHELASTIC_SIGNALS_TO_HANDLE) and never removes them.
-_AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+# The signals that stop a launcher, passed on to its workers. The agent installs handlers for
+# these (TORCHELASTIC_SIGNALS_TO_HANDLE) and never removes them.
+STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 _FOLDER_PREFIX = "mirrored-launch-"  # each launch's folder in the temporary directory
 
 
@@ -54,7 +56,7 @@ def restored_process_state() -> Iterator[None]:
     """Undo what the elastic agent changes in the calling process: variables, signal handlers."""
     environ = dict(os.environ)
     main_thread = threading.current_thread() is threading.main_thread()
-    signals = [getattr(signal, name) for name in _AGENT_SIGNALS if hasattr(signal, name)]
+    signals = [getattr(signal, name) for name in STOP_SIGNALS if hasattr(signal, name)]
     handlers = {sig: signal.getsignal(sig) for sig in signals} if main_thread else {}
     try:
         yield

@@ -36,14 +36,13 @@ from dataclasses import dataclass
 from torch.distributed.elastic.multiprocessing import SignalException
 
 from mirrored.cluster.resolvers import TorchrunClusterResolver
-from mirrored.launch.agent import describe_status, finished_anyway
+from mirrored.launch.agent import STOP_SIGNALS, describe_status, finished_anyway
 from mirrored.launch.plan import LaunchPlan
 from mirrored.launch.stores import RUN_ID, ClientStaticRendezvous
 
 __all__ = ["Verdict", "run_ps_cluster", "verdict"]
 
 _GRACE_SECONDS = 30.0  # for tasks told to stop, and between SIGTERM and SIGKILL (torch's too)
-_FORWARDED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 
 
 class Verdict(enum.Enum):
@@ -233,7 +232,7 @@ def _signals_raised() -> Iterator[None]:
             f"the launcher got {signal.Signals(signum).name}", signal.Signals(signum)
         )
 
-    signals = [getattr(signal, name) for name in _FORWARDED_SIGNALS if hasattr(signal, name)]
+    signals = [getattr(signal, name) for name in STOP_SIGNALS if hasattr(signal, name)]
     handlers = {sig: signal.signal(sig, raise_signal) for sig in signals}
     try:
         yield
