@@ -1,4 +1,10 @@
-"""ZeRO stages 1 and 2: optimizer-state memory per replica and step time, against stage 0.
+"""ZeRO stages 1 and 2: optimizer-state memory, peak memory and step time, against stage 0.
+
+Two parts (``--only time`` or ``--only memory`` runs one): state and step time on a small MLP in
+interleaved rounds, then the peak memory of each process on a large model, every configuration
+in processes of its own.
+
+**Time part.**
 
 Every setting trains overhead.py's MLP (784-512-512-10, ReLU) with Adam (lr 1e-3) on the same
 synthetic float32 global batches (fixed seed, global batch ``--batch-size``), with the strategy's
@@ -44,17 +50,38 @@ and ``strategy.run`` (overhead.py's ``timed_loop``); across processes between tw
 every setting and stage once, the order rotated by one per round, so slow drift of the machine is
 spread over all of them.
 
-Run from the repository root (about a minute on 2 cores):
+**Memory part.** ``--memory-depth`` (12) layers ``Linear(--memory-width, --memory-width)``
+(2048: 201 MB of float32 parameters, about the model of issue 34) with Adam, ``--memory-steps``
+(3) steps of overhead.py's replica step on a global batch of ``--memory-batch-size`` (64) random
+examples, one class per output, in these settings:
+
+- ``plain loop``: overhead.py's ``train_step``, no strategy;
+- ``1 device``, ``2 devices``, ``4 devices``: ``MirroredStrategy`` on as many logical CPU devices
+  of one process, stages 0, 1 and 2;
+- ``2 workers x 2 devices``: ``MultiWorkerMirroredStrategy(devices=["cpu:0", "cpu:1"])`` in 2
+  processes on 127.0.0.1 (4 replicas), gloo, default communication, stages 0, 1 and 2.
+
+Each configuration runs in fresh processes (spawned, so no peak carries over from another), which
+report their peak RSS (``VmHWM`` of /proc/self/status, Linux only) and the optimizer-state bytes
+they hold (``optimizer.state_bytes()`` summed over their replicas, a tensor several share counted
+once). Peak RSS moves by some tens of MB between runs (the allocator keeps freed pages, and each
+replica thread allocates from an arena of its own); tests/allocations.py counts tensor bytes
+instead, the same on every run.
+
+Run from the repository root (about 4 minutes on 2 cores, 3 of them the memory part):
 ``.venv/bin/python benchmarks/zero.py [--json PATH]``; ``--steps``, ``--rounds``,
-``--batch-size``, ``--timeout``.
+``--batch-size``, ``--timeout``, ``--only``, ``--memory-width``, ``--memory-depth``,
+``--memory-steps``, ``--memory-batch-size``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import statistics
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -75,11 +102,13 @@ from overhead import (
     settings_of,
     start_benchmark,
     timed_loop,
+    train_step,
     write_report,
 )
 from torch import nn
 
 import mirrored
+from mirrored import config
 
 STAGES = (0, 1, 2)
 PROCESSES = 2
@@ -206,6 +235,132 @@ def measure_processes(pair: Peer, zero_stage: int) -> Record:
     }
 
 
+# -- peak memory: each configuration in processes of its own -----------------------------------
+
+# Setting: (logical CPU devices per process, processes); 0 devices is the plain loop.
+MEMORY_SETTINGS = {
+    "plain loop": (0, 1),
+    "1 device": (1, 1),
+    "2 devices": (2, 1),
+    "4 devices": (4, 1),
+    "2 workers x 2 devices": (2, 2),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryRun:
+    """One memory measurement: a setting's layout, the stage, the model and the steps."""
+
+    devices: int
+    processes: int
+    stage: int
+    width: int
+    depth: int
+    steps: int
+    batch_size: int
+    port: int
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set since it started (``VmHWM``). Not ``ru_maxrss``: Linux
+    carries the parent's peak over exec, so a process spawned by a large one starts high."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status: the memory part needs Linux")
+
+
+def train_for_memory(run: MemoryRun) -> list[dict[str, int]]:
+    """``run.steps`` steps of Adam on ``run.depth`` Linear(width, width) layers (a class per
+    output, random data); returns every process's peak RSS and the optimizer-state bytes it
+    holds, in rank order."""
+    torch.manual_seed(0)
+    net = nn.Sequential(*(nn.Linear(run.width, run.width) for _ in range(run.depth)))
+    adam = torch.optim.Adam(net.parameters(), lr=LEARNING_RATE)
+    generator = torch.Generator().manual_seed(0)
+    batches = [
+        (
+            torch.randn(run.batch_size, run.width, generator=generator),
+            torch.randint(0, run.width, (run.batch_size,), generator=generator),
+        )
+        for _ in range(run.steps)
+    ]
+    if run.devices == 0:
+        for batch in batches:
+            train_step(net, adam, batch)
+        held = [t for state in adam.state.values() for t in state.values()]
+        return [memory_figures(sum(t.numel() * t.element_size() for t in held))]
+    devices = [f"cpu:{i}" for i in range(run.devices)]
+    if run.processes == 1:
+        strategy: Any = mirrored.MirroredStrategy(devices, zero_stage=run.stage)
+    else:
+        strategy = mirrored.MultiWorkerMirroredStrategy(devices=devices, zero_stage=run.stage)
+    try:
+        with warnings.catch_warnings():  # stage 1 in one process says it saves nothing there
+            warnings.simplefilter("ignore", UserWarning)
+            model, optimizer = strategy.mirror(net, adam)
+        step = mlp_replica_step(model, optimizer)
+        for batch in strategy.experimental_distribute_dataset(batches):
+            strategy.run(step, args=(batch,))
+        mine = memory_figures(sum(optimizer.state_bytes()))
+        if run.processes == 1:
+            return [mine]
+        everyone: list[dict[str, int]] = strategy.worker_group.all_gather_json(mine, "figures")
+        return everyone
+    finally:
+        strategy.close()
+
+
+def memory_figures(state_bytes: int) -> dict[str, int]:
+    """This process's peak RSS beside the optimizer-state bytes it holds (for a mirrored
+    optimizer the sum over its replicas, a tensor they share counted once)."""
+    return {"peak_rss": peak_rss_bytes(), "state_bytes": state_bytes}
+
+
+def _memory_worker(rank: int, run: MemoryRun, commands: Any, results: Any) -> None:
+    """One process of a memory measurement: train, and rank 0 answers with every rank's peak
+    RSS and optimizer-state bytes; then it exits (its peak belongs to this run only)."""
+    del commands  # answered once, with the measurement
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(run.processes),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(run.port),
+    )
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // run.processes))
+    cpu = config.list_physical_devices("CPU")[0]
+    config.set_logical_device_configuration(
+        cpu, [config.LogicalDeviceConfiguration()] * max(1, run.devices)
+    )
+    everyone = train_for_memory(run)
+    if rank == 0:
+        results.put(everyone)
+
+
+def measure_memory(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every memory setting and stage, each in processes of its own; one row each."""
+    rows = []
+    for setting, (devices, processes) in MEMORY_SETTINGS.items():
+        for stage in STAGES if devices else (0,):
+            run = MemoryRun(
+                devices,
+                processes,
+                stage,
+                args.memory_width,
+                args.memory_depth,
+                args.memory_steps,
+                args.memory_batch_size,
+                free_port(),
+            )
+            with Peer(_memory_worker, (run,), processes, setting) as measured:
+                ranks = measured.ready
+            rows.append({"setting": setting, "stage": stage if devices else None, "ranks": ranks})
+            print(f"{setting} stage {stage}: {ranks}", flush=True)
+    return rows
+
+
 # -- summary -----------------------------------------------------------------------------------
 
 
@@ -271,6 +426,44 @@ def print_table(rows: Sequence[dict[str, Any]]) -> None:
     )
 
 
+def summarize_memory(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per setting and stage: each process's peak RSS and optimizer-state bytes, and the largest
+    process's peak against its setting's stage 0 and against the plain loop."""
+    plain = max(r["peak_rss"] for r in rows[0]["ranks"])
+    stage_0 = {r["setting"]: max(x["peak_rss"] for x in r["ranks"]) for r in rows if not r["stage"]}
+    return [
+        {
+            **row,
+            "peak_rss_per_process": [r["peak_rss"] for r in row["ranks"]],
+            "state_bytes_per_process": [r["state_bytes"] for r in row["ranks"]],
+            "peak_vs_stage_0": max(r["peak_rss"] for r in row["ranks"]) / stage_0[row["setting"]],
+            "peak_vs_plain": max(r["peak_rss"] for r in row["ranks"]) / plain,
+        }
+        for row in rows
+    ]
+
+
+def print_memory_table(rows: Sequence[dict[str, Any]]) -> None:
+    mb = 1e6
+    print(
+        f"\n{'setting':<22} {'stage':>5} {'peak RSS MB per process':>24} {'vs s0':>6} "
+        f"{'vs plain':>8} {'state MB per process':>21}"
+    )
+    for row in rows:
+        peaks = ", ".join(f"{b / mb:.0f}" for b in row["peak_rss_per_process"])
+        states = ", ".join(f"{b / mb:.1f}" for b in row["state_bytes_per_process"])
+        stage = "-" if row["stage"] is None else row["stage"]
+        print(
+            f"{row['setting']:<22} {stage:>5} {peaks:>24} {row['peak_vs_stage_0']:>6.3f} "
+            f"{row['peak_vs_plain']:>8.3f} {states:>21}"
+        )
+    print(
+        "peak RSS: each process's VmHWM (MB, 10^6 bytes), a fresh process per row; vs s0 / vs "
+        "plain: the largest process's over its setting's stage 0 / the plain loop's; state: "
+        "optimizer-state bytes each process holds"
+    )
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=50, help="timed steps (default 50)")
@@ -280,25 +473,34 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--timeout", type=float, default=300.0, help="seconds a collective may wait (default 300)"
     )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
+    parser.add_argument("--only", choices=["time", "memory"], help="run one part (default both)")
+    parser.add_argument(
+        "--memory-width", type=int, default=2048, help="memory model's width (default 2048)"
+    )
+    parser.add_argument(
+        "--memory-depth", type=int, default=12, help="memory model's layers (default 12)"
+    )
+    parser.add_argument("--memory-steps", type=int, default=3, help="memory steps (default 3)")
+    parser.add_argument(
+        "--memory-batch-size", type=int, default=64, help="memory global batch (default 64)"
+    )
     args = parser.parse_args(argv)
     if args.steps < 1 or args.rounds < 1:
         parser.error(f"--steps={args.steps} and --rounds={args.rounds} must be at least 1")
     most = max(REPLICAS.values())
     if args.batch_size < most or args.batch_size % most:
         parser.error(f"--batch-size={args.batch_size}: must be a positive multiple of {most}")
+    if min(args.memory_width, args.memory_depth, args.memory_steps) < 1:
+        parser.error("--memory-width, --memory-depth and --memory-steps must be at least 1")
+    if args.memory_batch_size < 4 or args.memory_batch_size % 4:
+        parser.error(f"--memory-batch-size={args.memory_batch_size}: a positive multiple of 4")
     return args
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    args = parse_args(argv)
-    machine = start_benchmark(
-        f"MLP 784-512-512-10, Adam lr {LEARNING_RATE}, global batch {args.batch_size}, "
-        f"{args.steps} timed steps after {WARMUP_STEPS} warm-up, {args.rounds} interleaved rounds",
-        max(LOCAL_SETTINGS.values()),
-    )
+def measure_time(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The state and step-time part: every setting and stage in interleaved rounds."""
     batches = make_batches(WARMUP_STEPS + args.steps, args.batch_size)
     warmup, timed = batches[:WARMUP_STEPS], batches[WARMUP_STEPS:]
-
     environ = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // PROCESSES))}
     worker_args = (free_port(), args.steps, args.batch_size, args.timeout)
     with Peer(_worker, worker_args, PROCESSES, "2-process", environ) as pair:
@@ -322,7 +524,6 @@ def main(argv: Sequence[str] | None = None) -> None:
                 + ", ".join(f"{s} s{z} {records[(s, z)][-1]['seconds']:.3f}" for s, z in keys),
                 flush=True,
             )
-
     rows, differing = summarize(records, args.steps)
     print_table(rows)
     if differing:
@@ -330,8 +531,27 @@ def main(argv: Sequence[str] | None = None) -> None:
     split = [(r["setting"], r["stage"]) for r in rows if r["max_replica_spread"] > 0]
     if split:
         print(f"replicas ended with different parameters (setting, stage): {split}")
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    machine = start_benchmark(
+        f"time: MLP 784-512-512-10, Adam lr {LEARNING_RATE}, global batch {args.batch_size}, "
+        f"{args.steps} timed steps after {WARMUP_STEPS} warm-up, {args.rounds} interleaved "
+        f"rounds; memory: {args.memory_depth} x Linear({args.memory_width}, "
+        f"{args.memory_width}), Adam, global batch {args.memory_batch_size}, "
+        f"{args.memory_steps} steps",
+        max(LOCAL_SETTINGS.values()),
+    )
+    results: dict[str, Any] = {}
+    if args.only in (None, "time"):
+        results["results"] = measure_time(args)
+    if args.only in (None, "memory"):
+        results["memory"] = summarize_memory(measure_memory(args))
+        print_memory_table(results["memory"])
     settings = {**settings_of(args, "json"), "warmup_steps": WARMUP_STEPS}
-    write_report(args.json, machine, settings, results=rows)
+    write_report(args.json, machine, settings, **results)
 
 
 if __name__ == "__main__":
