@@ -11,10 +11,12 @@ from torch import nn
 import mirrored
 from mirrored.replication import zero_redundancy
 from mirrored.replication.zero_plan import (
+    MIN_CHUNKS,
     ParameterSpec,
     Piece,
     PieceGroup,
     ZeroPlan,
+    capped_chunk_bytes,
     describe_parameters,
     plan_pieces,
     plan_segments,
@@ -343,3 +345,15 @@ def test_training_runs_by_the_plan_and_equals_one_device(
             assert sorted(p.numel() for p in pieces) == expected_numels
         assert_same_parameters(expected, mirrored_model.module)
         assert_replicas_identical(mirrored_model)
+
+
+@pytest.mark.parametrize(
+    ("chunk_bytes", "total_bytes", "expected"),
+    [(2**20, 800, 800 // MIN_CHUNKS), (32, 800, 32), (2**20, 3, 1), (2**20, 0, 1)],
+)
+def test_a_small_model_still_crosses_in_several_chunks(
+    chunk_bytes: int, total_bytes: int, expected: int
+) -> None:
+    """Staging one chunk of every worker's share stays a fraction of what crosses: a model
+    smaller than MIN_CHUNKS chunks is cut into MIN_CHUNKS (at least one byte each)."""
+    assert capped_chunk_bytes(chunk_bytes, total_bytes) == expected

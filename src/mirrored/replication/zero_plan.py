@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 __all__ = [
+    "MIN_CHUNKS",
     "ParameterSpec",
     "Piece",
     "PieceGroup",
@@ -27,11 +28,23 @@ __all__ = [
     "SegmentLayout",
     "SegmentTransfer",
     "ZeroPlan",
+    "capped_chunk_bytes",
     "describe_parameters",
     "plan_pieces",
     "plan_segments",
     "plan_zero",
 ]
+
+
+# What crosses workers in chunks crosses in this many at least: staging of a chunk of every
+# worker's share then stays a fraction of what it moves, whatever the model's size.
+MIN_CHUNKS = 8
+
+
+def capped_chunk_bytes(chunk_bytes: int, total_bytes: int) -> int:
+    """``chunk_bytes``, or ``total_bytes`` (what the chunks move) over ``MIN_CHUNKS`` where
+    that is less (at least 1)."""
+    return max(1, min(chunk_bytes, total_bytes // MIN_CHUNKS))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,7 +24,7 @@ included).
 
 Across workers no buffer of the model's size (a worker's segment, a flat copy of the
 gradients) is made: the staging of each step's collectives holds one chunk of every worker's
-segment (``_CHUNK_BYTES``, a quarter of the parameters for a smaller model) and is dropped
+segment (``_CHUNK_BYTES``, an eighth of the parameters for a smaller model) and is dropped
 after them, so each process's peak is stage 0's less the optimizer state it no longer keeps
 (``benchmarks/RESULTS.md``, "ZeRO and peak memory"). In one process the replicas of one device
 already share one optimizer state (owner updates), so there stage 1 saves nothing.
@@ -53,7 +53,13 @@ from mirrored.replication.sharded_update import (
     step_owned,
     sum_owned_gradients,
 )
-from mirrored.replication.zero_plan import ParameterSpec, Piece, describe_parameters, plan_zero
+from mirrored.replication.zero_plan import (
+    ParameterSpec,
+    Piece,
+    capped_chunk_bytes,
+    describe_parameters,
+    plan_zero,
+)
 from mirrored.replication.zero_state import (
     consolidated_state,
     dtype_name,
@@ -88,13 +94,12 @@ def check_zero_stage(zero_stage: int) -> int:
 
 def _chunk_bytes(parameters: Sequence[ParameterSpec]) -> int:
     """What one collective across workers moves: ``_CHUNK_BYTES`` (read now, not bound at
-    import: the multi-process tests lower it), or a quarter of the trainable parameters' bytes
-    for a model smaller than four chunks, so that the staging stays well below the optimizer
-    state each worker no longer keeps."""
+    import: the multi-process tests lower it), capped for a small model so that the staging
+    stays well below the optimizer state each worker no longer keeps."""
     total = sum(
         s.numel * s.dtype.itemsize for s in parameters if s.trainable and s.state_index is not None
     )
-    return max(1, min(_CHUNK_BYTES, total // 4))
+    return capped_chunk_bytes(_CHUNK_BYTES, total)
 
 
 def _check_optimizer(stage: int, optimizer: torch.optim.Optimizer) -> None:
@@ -391,7 +396,8 @@ class ZeroRedundancy:
         else:
             workers = self._communicator.workers
             assert workers is not None
-            gathered = gather_state(workers, self.plan.worker, self._storage.device, mine)
+            device = self._storage.device
+            gathered = gather_state(workers, self.plan.worker, device, mine, _CHUNK_BYTES)
         merged["state"] = consolidated_state(self.plan, gathered, self.params[0])
         return merged
 

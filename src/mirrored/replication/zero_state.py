@@ -4,8 +4,8 @@ Under ZeRO no replica holds the whole state, yet a checkpoint must load into a r
 number of replicas (or none of ours). So ``state_dict()`` gathers every owner's share, joins the
 pieces of a cut parameter back into whole tensors and returns what one optimizer would; loading
 slices each parameter's state to the pieces a replica owns. Across workers the gather is a
-collective: entries travel as JSON (layout, plain values) and one flat tensor per dtype, never as
-pickles.
+collective: entries travel as JSON (layout, plain values) and their tensors end to end, a chunk
+at a time, never as pickles.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from mirrored.core.param_groups import hyperparameters
-from mirrored.replication.zero_plan import Piece, ReplicaShare, ZeroPlan
+from mirrored.replication.zero_plan import Piece, ReplicaShare, ZeroPlan, capped_chunk_bytes
 
 if TYPE_CHECKING:
     from mirrored.comm.worker_group import WorkerGroup
@@ -89,9 +89,13 @@ def pieces_state(plan: ZeroPlan, share: ReplicaShare, state_dict: dict[str, Any]
     return {"state": piece_state, "param_groups": piece_groups}
 
 
-def gather_state(group: WorkerGroup, worker: int, device: torch.device, mine: Entries) -> Entries:
+def gather_state(
+    group: WorkerGroup, worker: int, device: torch.device, mine: Entries, chunk_bytes: int
+) -> Entries:
     """Every worker's state entries (``mine``: this one's); a collective. Tensors come back
-    where their owner kept them: on the CPU if there, else on ``device``."""
+    where their owner kept them: on the CPU if there, else on ``device``. Each dtype's entries
+    cross end to end, ``chunk_bytes`` of every worker's at a time, straight into tensors of
+    their own: the only tensors of the state's size made are the other workers' entries."""
     entries = _describe(mine)
     try:
         everyone = group.all_gather_json(entries, "ZeRO: optimizer state entries")
@@ -99,25 +103,67 @@ def gather_state(group: WorkerGroup, worker: int, device: torch.device, mine: En
         raise TypeError(
             f"ZeRO gathers an optimizer's state across workers as tensors and JSON values; {error}"
         ) from error
-    dtypes = sorted({_tensor_dtype(e) for w in everyone for e in w} - {""})
-    flats: dict[str, list[torch.Tensor]] = {}
-    for name in dtypes:
-        sizes = [
-            sum(math.prod(e[2]["tensor"][0]) for e in w if _tensor_dtype(e) == name)
-            for w in everyone
-        ]
-        flat = torch.zeros(max(sizes), dtype=getattr(torch, name), device=device)
-        offset = 0
-        for entry in (e for e in entries if _tensor_dtype(e) == name):
-            value = mine[entry[0]][entry[1]]
-            flat[offset : offset + value.numel()].copy_(value.reshape(-1))
-            offset += value.numel()
-        flats[name] = group.all_gather(flat, f"ZeRO: optimizer state ({name})")
     gathered: Entries = {}
     for w, worker_entries in enumerate(everyone):
-        flats_of_w = {name: flat[w] for name, flat in flats.items()}
-        _unpack(gathered, worker_entries, flats_of_w, device, mine if w == worker else None)
+        _unpack(gathered, worker_entries, device, mine if w == worker else None)
+    for name in sorted({_tensor_dtype(e) for w in everyone for e in w} - {""}):
+        layouts = [_layout(worker_entries, name) for worker_entries in everyone]
+        _gather_dtype(group, worker, device, gathered, layouts, name, chunk_bytes)
     return gathered
+
+
+# One worker's tensors of one dtype, end to end: (slot, key, offset, numel) each.
+Layout = list[tuple[str, str, int, int]]
+
+
+def _layout(entries: list[list[Any]], name: str) -> Layout:
+    """Where ``entries``' tensors of dtype ``name`` sit, end to end in their order."""
+    layout: Layout = []
+    offset = 0
+    for slot, key, description in entries:
+        if _tensor_dtype([slot, key, description]) == name:
+            numel = math.prod(description["tensor"][0])
+            layout.append((slot, key, offset, numel))
+            offset += numel
+    return layout
+
+
+def _gather_dtype(
+    group: WorkerGroup,
+    worker: int,
+    device: torch.device,
+    gathered: Entries,
+    layouts: Sequence[Layout],
+    name: str,
+    chunk_bytes: int,
+) -> None:
+    """Every worker's tensors of dtype ``name`` (``layouts``: per worker) into ``gathered``'s,
+    elements ``a`` to ``a + chunk`` of every worker's at a time (``chunk_bytes``, capped for a
+    small state so that the staging stays well below what it gathers)."""
+    dtype = getattr(torch, name)
+    size = max((offset + numel for layout in layouts for _, _, offset, numel in layout), default=0)
+    chunk = max(1, capped_chunk_bytes(chunk_bytes, size * dtype.itemsize) // dtype.itemsize)
+    staging = torch.zeros(chunk, dtype=dtype, device=device)
+    for a in range(0, size, chunk):
+        b = min(a + chunk, size)
+        out = staging[: b - a]
+        for slot, key, lo, hi, at in _overlaps(layouts[worker], a, b):
+            out[at : at + hi - lo].copy_(gathered[slot][key].reshape(-1)[lo:hi])
+        parts = group.all_gather(out, f"ZeRO: optimizer state ({name}, from {a})")
+        for w, part in enumerate(parts):
+            if w != worker:
+                for slot, key, lo, hi, at in _overlaps(layouts[w], a, b):
+                    gathered[slot][key].view(-1)[lo:hi].copy_(part[at : at + hi - lo])
+
+
+def _overlaps(layout: Layout, a: int, b: int) -> list[tuple[str, str, int, int, int]]:
+    """The tensors of ``layout`` in its elements ``a`` to ``b``: (slot, key, first and last + 1
+    of their elements, place in the range)."""
+    return [
+        (slot, key, max(a, offset) - offset, min(b, offset + numel) - offset, max(a, offset) - a)
+        for slot, key, offset, numel in layout
+        if max(a, offset) < min(b, offset + numel)
+    ]
 
 
 def _describe(mine: Entries) -> list[list[Any]]:
@@ -136,29 +182,21 @@ def _describe(mine: Entries) -> list[list[Any]]:
 
 
 def _unpack(
-    gathered: Entries,
-    entries: list[list[Any]],
-    flats: dict[str, torch.Tensor],
-    device: torch.device,
-    own: Entries | None,
+    gathered: Entries, entries: list[list[Any]], device: torch.device, own: Entries | None
 ) -> None:
-    """A worker's ``entries`` into ``gathered``, its tensors read in order from its flat tensor
-    per dtype (``flats``), or from ``own`` for this worker's own entries."""
-    offsets = dict.fromkeys(flats, 0)
+    """A worker's ``entries`` into ``gathered``: plain values as they are; this worker's own
+    tensors (``own``) as they are; another worker's as tensors to fill, where their owner keeps
+    them (torch keeps Adam's step count on the CPU)."""
     for slot, key, description in entries:
         state = gathered.setdefault(slot, {})
         if "value" in description:
             state[key] = description["value"]
-            continue
-        shape, name, where = description["tensor"]
-        numel = math.prod(shape)
-        if own is not None:
+        elif own is not None:
             state[key] = own[slot][key]
-        else:  # where its owner keeps it (torch keeps Adam's step count on the CPU)
-            part = flats[name][offsets[name] : offsets[name] + numel]
+        else:
+            shape, name, where = description["tensor"]
             place = torch.device("cpu") if where == "cpu" else device
-            state[key] = part.view(shape).to(place, copy=True)
-        offsets[name] += numel
+            state[key] = torch.empty(shape, dtype=getattr(torch, name), device=place)
 
 
 def _joined(parts: Sequence[dict[str, Any]], param: nn.Parameter) -> dict[str, Any]:
