@@ -364,7 +364,8 @@ def zero(out: Path, stage: str) -> None:
 def zero_memory(out: Path, stage: str) -> None:
     """zero_stage=``stage`` on one device per worker (one thread allocates, so the count is the
     same on every run): the tensor bytes alive at the peak from ``strategy.mirror()`` through
-    three steps of Adam, and the largest tensor each of mirrored's modules allocated."""
+    three steps of Adam and the optimizer's ``state_dict()`` (what a checkpoint gathers), and the
+    largest tensor each of mirrored's modules allocated."""
     count = AllocationCount()
     with _strategy(zero_stage=int(stage)) as strategy:
         torch.manual_seed(0)
@@ -381,8 +382,11 @@ def zero_memory(out: Path, stage: str) -> None:
             make_batches(num_examples=3 * 16, features=32)
         ):
             strategy.run(step, args=(x, y))
+        with count.tracking():
+            state = optimizer.state_dict()
         parameters = [p.detach() for p in model.module.parameters()]
-        _save(strategy, out, {"peak": count.peak, "largest": count.largest, "model": parameters})
+        result = {"peak": count.peak, "largest": count.largest, "model": parameters}
+        _save(strategy, out, {**result, "state": state["state"]})
 
 
 def fit_data() -> tuple[torch.Tensor, torch.Tensor]:
