@@ -2,6 +2,7 @@
 
     python benchmarks/fault_injection.py --runs 50
     python benchmarks/fault_injection.py --runs 20 --signal term   # preemption instead
+    python benchmarks/fault_injection.py --runs 20 --job ps        # a parameter-server worker
 
 With ``--signal term`` the worker is sent SIGTERM, as a scheduler preempting its node would:
 its ``BackupAndRestore`` backs up at the next step boundary on both workers (any worker's SIGTERM
@@ -21,6 +22,14 @@ rank's first process started (no kill when the rank has no process running then:
 attempts, or once the job has ended). Each run has its own temporary directory (``TMPDIR``),
 output folder and backup folder.
 
+With ``--job ps`` the job is a parameter-server cluster instead, ``mirrored launch
+--nproc-per-node 4 --num-ps 1 --max-restarts 3``: a chief, 2 workers and a ps task count down
+with 40 scheduled functions of two updates each (the i-th of weight i, 50 ms between the two);
+the kill goes to a random worker task, which the launcher restarts alone to rejoin the running
+job. Exact then means the chief's final count and number of functions equal the uninterrupted
+run's (every update applied once); "rejoined" counts the runs whose chief ended with a restarted
+worker taking part.
+
 Printed per run and in total: runs; kills; runs ending with the reference's exact weights
 (both ranks); runs the launcher reported failed (exit status not 0); runs that restarted; runs
 whose worker was killed after its program had returned (the launcher counts it finished); what
@@ -36,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import random
 import shutil
@@ -46,8 +56,10 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.distributed.rpc as rpc
 from torch import nn
 
 import mirrored
@@ -55,13 +67,13 @@ import mirrored
 _EPOCHS = 4
 _BATCH_SLEEP_S = 0.05
 _MAX_RESTARTS = 3
+_PS_FUNCTIONS = 40
 
 
 def train(out: Path, backup: Path) -> None:
     """The workers' program: 2 workers of ``fit`` with BackupAndRestore; each saves its weights
     as ``out/rank{R}.pt`` and its pid as ``out/pid.{R}.{attempt}`` when it starts."""
-    rank, attempt = os.environ["RANK"], os.environ["TORCHELASTIC_RESTART_COUNT"]
-    (out / f"pid.{rank}.{attempt}").write_text(str(os.getpid()))
+    _write_pid(out)
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(203, 12, generator=generator)
@@ -92,6 +104,56 @@ def train(out: Path, backup: Path) -> None:
         torch.save(model.state_dict(), out / f"rank{strategy.worker_group.rank}.pt")
 
 
+def _write_pid(out: Path) -> None:
+    """``out/pid.{RANK}.{attempt}``, as a worker (or task) starts."""
+    rank, attempt = os.environ["RANK"], os.environ["TORCHELASTIC_RESTART_COUNT"]
+    (out / f"pid.{rank}.{attempt}").write_text(str(os.getpid()))
+
+
+class Counter(nn.Module):
+    """One parameter of 4 zeros; a function's update of weight w takes w from every row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.value = nn.Parameter(torch.zeros(4))
+
+    def forward(self) -> torch.Tensor:
+        return self.value.sum()
+
+
+def count_twice(model: nn.Module, optimizer: Any, weight: float) -> str:
+    """A scheduled function: two updates of ``weight``, 50 ms apart (a kill can land between)."""
+    for _ in range(2):
+        (model() * weight).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        time.sleep(_BATCH_SLEEP_S)
+    return str(rpc.get_worker_info().name)
+
+
+def train_ps(out: Path) -> None:
+    """The tasks' program with ``--job ps``: the chief schedules the functions and writes what
+    the ps task holds at the end, which worker ran each function and the workers taking part
+    to ``out/chief.json``; the other tasks serve it."""
+    _write_pid(out)
+    with mirrored.ParameterServerStrategy(timeout_seconds=30) as strategy:
+        coordinator = mirrored.ClusterCoordinator(strategy)
+        module = Counter()
+        model, optimizer = strategy.mirror(module, torch.optim.SGD(module.parameters(), lr=1.0))
+        runs = [
+            coordinator.schedule(count_twice, (model, optimizer, float(i)))
+            for i in range(1, _PS_FUNCTIONS + 1)
+        ]
+        coordinator.join()
+        model.pull()
+        record = {
+            "value": module.value.tolist(),
+            "ran_on": [run.fetch() for run in runs],
+            "live": strategy.live_workers(),
+        }
+        (out / "chief.json").write_text(json.dumps(record))
+
+
 def weights_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     for name, tensor in torch.load(path, weights_only=True).items():
@@ -107,9 +169,10 @@ class Run:
     status: int
     seconds: float  # from the first worker's start to the launcher's exit
     killed: str | None  # "rank R (attempt A) S s after its start"
-    digests: dict[int, str | None]
+    digests: dict[int, str | None]  # by rank; with --job ps, {0: the chief's final count}
     attempts: int
     counted_finished: bool  # the launcher counted a worker killed after its program as finished
+    rejoined: bool  # --job ps: a restarted worker took part at the end
     leftovers: list[str] = field(default_factory=list)
 
 
@@ -148,16 +211,48 @@ def _first_start(out: Path, launcher: subprocess.Popen[bytes], rank: int | None)
     return None
 
 
+def _command(job: str, out: Path, backup: Path) -> list[str]:
+    """The launch of ``job`` ("mirrored" or "ps")."""
+    command = [
+        sys.executable,
+        "-m",
+        "mirrored.launch.launcher",
+        "--max-restarts",
+        str(_MAX_RESTARTS),
+    ]
+    if job == "ps":
+        return [*command, "--nproc-per-node", "4", "--num-ps", "1", __file__, "train_ps", str(out)]
+    return [*command, "--nproc-per-node", "2", __file__, "train", str(out), str(backup)]
+
+
+def _outcome(job: str, out: Path) -> tuple[dict[int, str | None], bool]:
+    """What the job left to compare with the uninterrupted run's, and (``--job ps``) whether a
+    restarted worker took part at the end."""
+    if job == "mirrored":
+        return {
+            r: weights_sha256(out / f"rank{r}.pt") if (out / f"rank{r}.pt").exists() else None
+            for r in range(2)
+        }, False
+    if not (out / "chief.json").exists():
+        return {0: None}, False
+    record = json.loads((out / "chief.json").read_text())
+    count = f"value {record['value']} after {len(record['ran_on'])} functions"
+    return {0: count}, any("_" in worker for worker in record["live"])
+
+
 def launch_once(
-    root: Path, kill_at: float | None, rank: int, sent: signal.Signals = signal.SIGKILL
+    root: Path,
+    kill_at: float | None,
+    rank: int,
+    sent: signal.Signals = signal.SIGKILL,
+    job: str = "mirrored",
 ) -> Run:
-    """One launch in ``root``; with ``kill_at``, send ``sent`` to worker ``rank``'s newest
-    process that many seconds after the rank's first process started."""
+    """One launch of ``job`` in ``root``; with ``kill_at``, send ``sent`` to worker ``rank``'s
+    newest process that many seconds after the rank's first process started."""
     out, backup, temp = root / "out", root / "backup", root / "tmp"
     for folder in (out, temp):
         folder.mkdir(parents=True)
-    command = [sys.executable, "-m", "mirrored.launch.launcher", "--nproc-per-node", "2"]
-    command += ["--max-restarts", str(_MAX_RESTARTS), __file__, "train", str(out), str(backup)]
+    command = _command(job, out, backup)
     # torch keeps its compiler's cache in the temporary directory by design: elsewhere here.
     cache = root.parent / "torchinductor-cache"
     env = {**os.environ, "TMPDIR": str(temp), "TORCHINDUCTOR_CACHE_DIR": str(cache)}
@@ -195,13 +290,10 @@ def launch_once(
     leftovers += [str(path.relative_to(root)) for path in sorted(temp.rglob("*"))]
     if backup.exists():
         leftovers += [str(path.relative_to(root)) for path in sorted(backup.rglob("*"))]
-    digests = {
-        r: weights_sha256(out / f"rank{r}.pt") if (out / f"rank{r}.pt").exists() else None
-        for r in range(2)
-    }
+    digests, rejoined = _outcome(job, out)
     attempts = 1 + max((attempt for _, attempt in pids), default=0)
     counted = b"it counts as finished" in (root / "launcher.log").read_bytes()
-    return Run(status, seconds, killed, digests, attempts, counted, leftovers)
+    return Run(status, seconds, killed, digests, attempts, counted, rejoined, leftovers)
 
 
 def main() -> None:
@@ -214,13 +306,19 @@ def main() -> None:
         default="kill",
         help="SIGKILL (a crash, the default) or SIGTERM (a preemption)",
     )
+    parser.add_argument(
+        "--job",
+        choices=["mirrored", "ps"],
+        default="mirrored",
+        help="MultiWorkerMirroredStrategy's fit (the default) or a parameter-server cluster",
+    )
     args = parser.parse_args()
     if args.runs < 1:
         parser.error(f"--runs {args.runs}: pass a positive number of runs")
     chooser = random.Random(args.seed)
     shm_before = _shm()
     workspace = Path(tempfile.mkdtemp(prefix="fault-injection-"))
-    reference = launch_once(workspace / "reference", None, 0)
+    reference = launch_once(workspace / "reference", None, 0, job=args.job)
     expected = reference.digests[0]
     if reference.status != 0 or expected is None or reference.leftovers:
         raise SystemExit(
@@ -229,22 +327,27 @@ def main() -> None:
         )
     shutil.rmtree(workspace / "reference")
     print(f"reference: {reference.seconds:.1f} s, sha256 {expected[:16]}...", flush=True)
-    totals = dict.fromkeys(["kills", "exact", "failed", "restarted", "finished", "leftovers"], 0)
+    totals = dict.fromkeys(
+        ["kills", "exact", "failed", "restarted", "finished", "rejoined", "leftovers"], 0
+    )
     for index in range(args.runs):
         kill_at, rank = chooser.uniform(0, reference.seconds), chooser.randrange(2)
+        rank += args.job == "ps"  # a worker task: ranks 1 and 2 (0 is the chief, 3 the ps)
         sent = signal.SIGTERM if args.signal == "term" else signal.SIGKILL
-        run = launch_once(workspace / f"run{index}", kill_at, rank, sent)
+        run = launch_once(workspace / f"run{index}", kill_at, rank, sent, args.job)
         exact = all(digest == expected for digest in run.digests.values())
         totals["kills"] += run.killed is not None
         totals["exact"] += exact
         totals["failed"] += run.status != 0
         totals["restarted"] += run.attempts > 1
         totals["finished"] += run.counted_finished
+        totals["rejoined"] += run.rejoined
         totals["leftovers"] += len(run.leftovers)
         print(
             f"run {index}: killed {run.killed or 'nothing (no process of that rank then)'}; "
             f"status {run.status}, {run.attempts} attempt(s)"
-            f"{' (killed after its program: counted finished)' if run.counted_finished else ''}, "
+            f"{' (killed after its program: counted finished)' if run.counted_finished else ''}"
+            f"{' (rejoined)' if run.rejoined else ''}, "
             f"{run.seconds:.1f} s, "
             f"{'exact' if exact else 'NOT EXACT'}, left {run.leftovers or 'nothing'}",
             flush=True,
@@ -254,8 +357,8 @@ def main() -> None:
     print(
         f"runs: {args.runs}, kills: {totals['kills']}, exact weights: {totals['exact']}, "
         f"reported failed: {totals['failed']}, restarted: {totals['restarted']}, killed after "
-        f"their program and counted finished: {totals['finished']}, files or processes left "
-        f"behind: {totals['leftovers']}"
+        f"their program and counted finished: {totals['finished']}, rejoined: "
+        f"{totals['rejoined']}, files or processes left behind: {totals['leftovers']}"
     )
     print(f"/dev/shm entries left: {sorted(_shm() - shm_before) or 'none'}")
     shutil.rmtree(workspace / "torchinductor-cache", ignore_errors=True)
@@ -268,5 +371,7 @@ def main() -> None:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["train"]:
         train(Path(sys.argv[2]), Path(sys.argv[3]))
+    elif sys.argv[1:2] == ["train_ps"]:
+        train_ps(Path(sys.argv[2]))
     else:
         main()
