@@ -11,6 +11,10 @@ fi
 # torch is pinned to the CPU build shipped on this project's machines; pyproject keeps a loose range.
 .venv/bin/pip install -q torch==2.13.0
 .venv/bin/pip install -q -e ".[test,docs]"
+# Ray Train for tests/cluster/test_ray.py, where it installs (its wheels do not exist for every
+# Python and platform); without it that test skips, saying so.
+.venv/bin/pip install -q -e ".[ray]" \
+  || echo "scripts/test.sh: could not install the ray extra; tests/cluster/test_ray.py skips" >&2
 
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
