@@ -15,11 +15,8 @@ import re
 import shutil
 import socket
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-import torch
 
 from mirrored.cluster.resolvers import (
     LocalClusterResolver,
@@ -35,14 +32,8 @@ from mirrored.cluster.slurm import (
     expand_tasks_per_node,
     read_step,
 )
-from tests.exactness import assert_close_float64
-from tests.multiprocess.spawn import (
-    REPO,
-    assert_all_succeeded,
-    program_env,
-    start_process,
-    wait_workers,
-)
+from tests.cluster.cluster_program import COMMAND, assert_trained_as_one_process, plain_env
+from tests.multiprocess.spawn import REPO, assert_all_succeeded, start_process, wait_workers
 
 SRUN_TASK_0 = {
     "SLURMD_NODENAME": "vm",
@@ -98,7 +89,6 @@ SBATCH_SCRIPT = {
     "SLURM_TASKS_PER_NODE": "2",
 }
 SALLOC_SHELL = {"SLURM_JOB_ID": "3", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "vm"}
-COMMAND = [sys.executable, "-m", "tests.cluster.slurm_train"]
 
 
 def srun_task(rank: int = 0, **overrides: str) -> dict[str, str]:
@@ -366,42 +356,6 @@ def test_resolve_reports_a_malformed_step():
 # --- real runs -------------------------------------------------------------------------------
 
 
-def _plain_env() -> dict[str, str]:
-    """A test program's environment, less any cluster this test itself runs in."""
-    return {
-        k: v
-        for k, v in program_env().items()
-        if not k.startswith("SLURM_") and k not in ("MASTER_ADDR", "MASTER_PORT")
-    }
-
-
-def _results(out: Path, num_workers: int) -> list[dict]:
-    return [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in range(num_workers)]
-
-
-@pytest.fixture(scope="module")
-def plain_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """The program run with plain ``python``: one process, one worker."""
-    out = tmp_path_factory.mktemp("plain")
-    assert_all_succeeded(wait_workers([start_process([*COMMAND, str(out)], _plain_env())], 120))
-    (result,) = _results(out, 1)
-    assert (result["resolver"], result["world_size"]) == ("LocalClusterResolver", 1)
-    return result
-
-
-def _assert_trained_as_one_process(out: Path, plain: dict) -> None:
-    """Both workers read the step, and end where one process does (float64: to rounding);
-    their replicas are bit-identical."""
-    results = _results(out, 2)
-    for result in results:
-        assert (result["resolver"], result["world_size"]) == ("SlurmClusterResolver", 2)
-        for name, value in plain["weights"].items():
-            assert_close_float64(result["weights"][name], value, msg=name)
-        assert_close_float64(result["losses"], plain["losses"])
-    first, second = (result["weights"] for result in results)
-    assert all(torch.equal(first[name], second[name]) for name in first)
-
-
 def _job_id_with_a_free_port() -> str:
     """A job id whose step 0 rendezvous port is free on 127.0.0.1 now."""
     for job_id in range(1, 1000):
@@ -423,13 +377,13 @@ def test_two_tasks_of_a_step_train_as_one_process_does(tmp_path, plain_run):
     workers = [
         start_process(
             [*COMMAND, str(tmp_path)],
-            {**_plain_env(), **srun_task(rank, SLURM_JOB_ID=job_id, **node)},
+            {**plain_env(), **srun_task(rank, SLURM_JOB_ID=job_id, **node)},
             rank,
         )
         for rank in range(2)
     ]
     assert_all_succeeded(wait_workers(workers, 120))
-    _assert_trained_as_one_process(tmp_path, plain_run)
+    assert_trained_as_one_process(tmp_path, plain_run, "SlurmClusterResolver")
 
 
 def _slurm_answers() -> bool:
@@ -453,10 +407,10 @@ def test_srun_runs_the_program_as_two_workers(tmp_path, plain_run):
     run = subprocess.run(
         [*srun, *COMMAND, str(tmp_path)],
         cwd=REPO,
-        env=_plain_env(),
+        env=plain_env(),
         capture_output=True,
         text=True,
         timeout=200,
     )
     assert run.returncode == 0, run.stdout + run.stderr
-    _assert_trained_as_one_process(tmp_path, plain_run)
+    assert_trained_as_one_process(tmp_path, plain_run, "SlurmClusterResolver")
