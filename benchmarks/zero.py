@@ -53,7 +53,8 @@ spread over all of them.
 **Memory part.** ``--memory-depth`` (12) layers ``Linear(--memory-width, --memory-width)``
 (2048: 201 MB of float32 parameters, about the model of issue 34) with Adam, ``--memory-steps``
 (3) steps of overhead.py's replica step on a global batch of ``--memory-batch-size`` (64) random
-examples, one class per output, in these settings:
+examples, one class per output, then ``optimizer.state_dict()`` (what a checkpoint gathers: under
+ZeRO across workers a collective that assembles the whole state), in these settings:
 
 - ``plain loop``: overhead.py's ``train_step``, no strategy;
 - ``1 device``, ``2 devices``, ``4 devices``: ``MirroredStrategy`` on as many logical CPU devices
@@ -62,11 +63,11 @@ examples, one class per output, in these settings:
   processes on 127.0.0.1 (4 replicas), gloo, default communication, stages 0, 1 and 2.
 
 Each configuration runs in fresh processes (spawned, so no peak carries over from another), which
-report their peak RSS (``VmHWM`` of /proc/self/status, Linux only) and the optimizer-state bytes
-they hold (``optimizer.state_bytes()`` summed over their replicas, a tensor several share counted
-once). Peak RSS moves by some tens of MB between runs (the allocator keeps freed pages, and each
-replica thread allocates from an arena of its own); tests/allocations.py counts tensor bytes
-instead, the same on every run.
+report their peak RSS (``VmHWM`` of /proc/self/status, Linux only) before and after
+``state_dict()`` and the optimizer-state bytes they hold (``optimizer.state_bytes()`` summed
+over their replicas, a tensor several share counted once). Peak RSS moves by some tens of MB
+between runs (the allocator keeps freed pages, and each replica thread allocates from an arena
+of its own); tests/allocations.py counts tensor bytes instead, the same on every run.
 
 Run from the repository root (about 4 minutes on 2 cores, 3 of them the memory part):
 ``.venv/bin/python benchmarks/zero.py [--json PATH]``; ``--steps``, ``--rounds``,
@@ -273,8 +274,8 @@ def peak_rss_bytes() -> int:
 
 def train_for_memory(run: MemoryRun) -> list[dict[str, int]]:
     """``run.steps`` steps of Adam on ``run.depth`` Linear(width, width) layers (a class per
-    output, random data); returns every process's peak RSS and the optimizer-state bytes it
-    holds, in rank order."""
+    output, random data), then the optimizer's ``state_dict()`` (what a checkpoint gathers);
+    returns every process's figures (``memory_figures``), in rank order."""
     torch.manual_seed(0)
     net = nn.Sequential(*(nn.Linear(run.width, run.width) for _ in range(run.depth)))
     adam = torch.optim.Adam(net.parameters(), lr=LEARNING_RATE)
@@ -290,7 +291,7 @@ def train_for_memory(run: MemoryRun) -> list[dict[str, int]]:
         for batch in batches:
             train_step(net, adam, batch)
         held = [t for state in adam.state.values() for t in state.values()]
-        return [memory_figures(sum(t.numel() * t.element_size() for t in held))]
+        return [memory_figures(adam, sum(t.numel() * t.element_size() for t in held))]
     devices = [f"cpu:{i}" for i in range(run.devices)]
     if run.processes == 1:
         strategy: Any = mirrored.MirroredStrategy(devices, zero_stage=run.stage)
@@ -303,7 +304,7 @@ def train_for_memory(run: MemoryRun) -> list[dict[str, int]]:
         step = mlp_replica_step(model, optimizer)
         for batch in strategy.experimental_distribute_dataset(batches):
             strategy.run(step, args=(batch,))
-        mine = memory_figures(sum(optimizer.state_bytes()))
+        mine = memory_figures(optimizer, sum(optimizer.state_bytes()))
         if run.processes == 1:
             return [mine]
         everyone: list[dict[str, int]] = strategy.worker_group.all_gather_json(mine, "figures")
@@ -312,10 +313,16 @@ def train_for_memory(run: MemoryRun) -> list[dict[str, int]]:
         strategy.close()
 
 
-def memory_figures(state_bytes: int) -> dict[str, int]:
-    """This process's peak RSS beside the optimizer-state bytes it holds (for a mirrored
-    optimizer the sum over its replicas, a tensor they share counted once)."""
-    return {"peak_rss": peak_rss_bytes(), "state_bytes": state_bytes}
+def memory_figures(optimizer: Any, state_bytes: int) -> dict[str, int]:
+    """This process's peak RSS after training and after ``optimizer.state_dict()`` (a
+    collective under ZeRO across workers, which gathers the whole state), beside the
+    optimizer-state bytes it holds (for a mirrored optimizer the sum over its replicas, a tensor
+    they share counted once)."""
+    training = peak_rss_bytes()
+    checkpoint = optimizer.state_dict()
+    figures = {"peak_rss_training": training, "peak_rss": peak_rss_bytes()}
+    del checkpoint
+    return {**figures, "state_bytes": state_bytes}
 
 
 def _memory_worker(rank: int, run: MemoryRun, commands: Any, results: Any) -> None:
@@ -435,6 +442,7 @@ def summarize_memory(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         {
             **row,
             "peak_rss_per_process": [r["peak_rss"] for r in row["ranks"]],
+            "peak_rss_training_per_process": [r["peak_rss_training"] for r in row["ranks"]],
             "state_bytes_per_process": [r["state_bytes"] for r in row["ranks"]],
             "peak_vs_stage_0": max(r["peak_rss"] for r in row["ranks"]) / stage_0[row["setting"]],
             "peak_vs_plain": max(r["peak_rss"] for r in row["ranks"]) / plain,
@@ -447,19 +455,21 @@ def print_memory_table(rows: Sequence[dict[str, Any]]) -> None:
     mb = 1e6
     print(
         f"\n{'setting':<22} {'stage':>5} {'peak RSS MB per process':>24} {'vs s0':>6} "
-        f"{'vs plain':>8} {'state MB per process':>21}"
+        f"{'vs plain':>8} {'in training':>12} {'state MB per process':>21}"
     )
     for row in rows:
         peaks = ", ".join(f"{b / mb:.0f}" for b in row["peak_rss_per_process"])
+        training = ", ".join(f"{b / mb:.0f}" for b in row["peak_rss_training_per_process"])
         states = ", ".join(f"{b / mb:.1f}" for b in row["state_bytes_per_process"])
         stage = "-" if row["stage"] is None else row["stage"]
         print(
             f"{row['setting']:<22} {stage:>5} {peaks:>24} {row['peak_vs_stage_0']:>6.3f} "
-            f"{row['peak_vs_plain']:>8.3f} {states:>21}"
+            f"{row['peak_vs_plain']:>8.3f} {training:>12} {states:>21}"
         )
     print(
-        "peak RSS: each process's VmHWM (MB, 10^6 bytes), a fresh process per row; vs s0 / vs "
-        "plain: the largest process's over its setting's stage 0 / the plain loop's; state: "
+        "peak RSS: each process's VmHWM (MB, 10^6 bytes) after training and state_dict(), a "
+        "fresh process per row; vs s0 / vs plain: the largest process's over its setting's "
+        "stage 0 / the plain loop's; in training: the peak before state_dict(); state: "
         "optimizer-state bytes each process holds"
     )
 
