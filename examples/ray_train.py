@@ -1,11 +1,10 @@
 """``MultiWorkerMirroredStrategy`` inside Ray Train's ``TorchTrainer``, with checkpoints kept by
 Ray.
 
-Ray Train starts the workers, puts torchrun's variables in each (``RANK``, ``WORLD_SIZE``,
-``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) and forms the
-``torch.distributed`` process group before the training function runs. The strategy reads who it
-is from those variables, joins Ray's process group instead of forming its own, and leaves it to
-Ray when it closes. After every epoch every worker calls ``mirrored.Checkpoint.write`` (the chief
+Ray Train starts the workers and forms the ``torch.distributed`` process group before the
+training function runs. The strategy reads who each worker is from that group
+(``ProcessGroupClusterResolver``), joins it instead of forming its own, and leaves it to Ray when
+it closes. After every epoch every worker calls ``mirrored.Checkpoint.write`` (the chief
 alone writes the file) into a folder that the chief hands to ``ray.train.report``; Ray copies it
 to the run's storage. A worker group that Ray starts again (after a failed worker, with
 ``--max-failures``) or the same command run again with the same ``--name`` and

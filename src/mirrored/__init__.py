@@ -25,6 +25,7 @@ from mirrored.comm.cross_device_ops import (
     NcclAllReduce,
     ReductionToOneDevice,
 )
+from mirrored.comm.formed_group import ProcessGroupClusterResolver
 from mirrored.comm.powersgd import PowerSGD
 from mirrored.core.context import (
     ReplicaContext,
@@ -101,6 +102,7 @@ __all__ = [
     "PipelinedModule",
     "PipelinedOptimizer",
     "PowerSGD",
+    "ProcessGroupClusterResolver",
     "Preempted",
     "PreemptionWatcher",
     "ReduceOp",

@@ -37,7 +37,8 @@ class ProcessGroupClusterResolver(ClusterResolver):
         if not dist.is_initialized():
             raise ValueError(
                 "ProcessGroupClusterResolver: no torch.distributed process group exists; call "
-                "torch.distributed.init_process_group first, or use mirrored.resolve_cluster()"
+                "torch.distributed.init_process_group first, or use "
+                "mirrored.cluster.resolvers.resolve_cluster()"
             )
         rank, world_size = dist.get_rank(), dist.get_world_size()
         store = default_store()
@@ -75,7 +76,7 @@ def _store_address(store: dist.Store, world_size: int) -> tuple[str, int]:
 
 def _machines(store: dist.Store, rank: int, world_size: int, timeout_seconds: float) -> list[str]:
     """Every worker's machine (``same_host_all_reduce``'s identity of it), in rank order."""
-    store.set(f"{_MACHINE_KEY}{rank}", same_host_all_reduce._machine_identity())
+    store.set(f"{_MACHINE_KEY}{rank}", same_host_all_reduce.machine_identity())
     keys = [f"{_MACHINE_KEY}{r}" for r in range(world_size)]
     try:
         store.wait(keys, datetime.timedelta(seconds=timeout_seconds))

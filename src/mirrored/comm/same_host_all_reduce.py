@@ -51,7 +51,7 @@ import torch
 
 from mirrored.core.replica_meeting import SyncMismatchError
 
-__all__ = ["LocalReduceError", "PendingReduce", "SameHostAllReduce"]
+__all__ = ["LocalReduceError", "PendingReduce", "SameHostAllReduce", "machine_identity"]
 
 # Per-worker slot: 8 workers' slots and the output area take 36 MiB.
 _SLOT_BYTES = 4 << 20
@@ -127,7 +127,7 @@ class SameHostAllReduce:
         """
         if world_size < 2:
             return None
-        identity = _machine_identity() if _supported_here() else None
+        identity = machine_identity() if _supported_here() else None
         hosts = exchange(identity, "same-host all-reduce: machines")
         if hosts[0] is None or any(host != hosts[0] for host in hosts):
             return None
@@ -344,7 +344,7 @@ def _supported_here() -> bool:
     return sys.platform == "linux" and hasattr(os, "memfd_create") and hasattr(socket, "send_fds")
 
 
-def _machine_identity() -> str:
+def machine_identity() -> str:
     """The same string in every process of one running machine (its host name and boot id), and
     a different one elsewhere; containers that share a kernel but not a network namespace are
     told apart when they connect."""
