@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mirrored.comm.bucketing import PackedTensors, plan_buckets, plan_gradient_buckets
+from mirrored.comm.bucketing import (
+    PackedTensors,
+    plan_buckets,
+    plan_gather,
+    plan_gradient_buckets,
+)
 
 SHAPES = [(4, 3), (3,), (2, 2), (5,)]
 FLOATS = [torch.float32] * 4
@@ -95,3 +100,19 @@ def test_one_plan_per_set_of_shapes_and_dtypes():
     assert again is first
     assert plan_buckets([(3, 4), (6,)], [torch.float32] * 2, 1) is not first
     assert plan_buckets([(3, 4), (5,)], [torch.float32] * 2, 0) is not first
+
+
+def test_a_gather_plans_room_for_the_longest_worker_s_rows_of_each_tensor_aligned():
+    # (rows, bytes per row) per worker and tensor; -1: a worker without rows of that tensor.
+    sizes = [[(3, 8), (0, -1), (1, 1)], [(5, 8), (2, 4), (1, 1)]]
+    assert plan_gather(sizes) == ([0, 48, 64], 80)
+    assert plan_gather([[], []]) == ([], 0)
+
+
+def test_a_gather_of_rows_of_different_sizes_on_the_workers_is_refused():
+    with pytest.raises(
+        ValueError,
+        match=r"tensor 1: .*worker 0: 2 rows of 8 bytes.*worker 1: "
+        r"2 rows of 4 bytes.*differ only along the axis",
+    ):
+        plan_gather([[(1, 4), (2, 8)], [(1, 4), (2, 4)]])

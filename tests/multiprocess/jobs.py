@@ -461,6 +461,32 @@ def collectives(out: Path) -> None:
         )
 
 
+def batch_norm_net(num_layers: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The reference MLP's shape with ``num_layers`` BatchNorm layers (3 buffers each), and its
+    optimizer: SGD, as Adam would blow up the rounding noise of the gradients of the biases
+    BatchNorm cancels (zero but for the summation order) into whole steps."""
+    torch.manual_seed(4)
+    layers: list[nn.Module] = [nn.Linear(12, 16)]
+    for _ in range(num_layers):
+        layers += [nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 16)]
+    model = nn.Sequential(*layers, nn.Linear(16, 5))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def batch_norm_layers(out: Path, num_layers: str) -> None:
+    """The custom loop on ``batch_norm_net``: the replicas' states, and how many collectives
+    crossed the workers in all (the buffers every step changes are synced after it)."""
+    with _strategy() as strategy:
+        group = strategy.worker_group
+        before = group._position[0]  # counts this worker's collectives
+        mirrored_model, _, losses = train_mirrored(
+            strategy, *batch_norm_net(int(num_layers)), make_batches()
+        )
+        crossed = group._position[0] - before
+        replicas = [r.state_dict() for r in mirrored_model.replicas]
+        _save(strategy, out, {"replicas": replicas, "losses": losses, "collectives": crossed})
+
+
 def _slow_chief_writes(strategy: mirrored.MultiWorkerMirroredStrategy) -> None:
     """The chief's checkpoint writes take a second: a worker that returned before the chief
     had written would read no file."""
@@ -745,6 +771,11 @@ def heartbeat_at_close(out: Path) -> None:
     torch.save({"running after close": running}, out / f"rank{rank}.pt")
 
 
+def mixed(shard: torch.Tensor) -> list[torch.Tensor]:
+    """Tensors of several element sizes, gathered in one call (packed as bytes end to end)."""
+    return [shard > 0, shard.to(torch.float16), shard.double(), shard.to(torch.int64)]
+
+
 def communicator_levels(out: Path) -> None:
     """A Communicator over this process's replicas and a worker group of its own, used alone
     (no multi-worker strategy): each collective's results beside the values it combined."""
@@ -765,6 +796,7 @@ def communicator_levels(out: Path) -> None:
                         0
                     ],
                     "all_gather": communicator.all_gather_tensors(replica, [shard], 0)[0],
+                    "all_gather_mixed": communicator.all_gather_tensors(replica, mixed(shard), 0),
                 }
 
             result = strategy.run(replica_fn, args=(PerReplica(values), PerReplica(shards)))
@@ -783,6 +815,9 @@ def communicator_levels(out: Path) -> None:
                 "shards": shards,
                 "all_reduce": strategy.experimental_local_results(result["all_reduce"]),
                 "all_gather": strategy.experimental_local_results(result["all_gather"]),
+                "all_gather_mixed": [
+                    strategy.experimental_local_results(t) for t in result["all_gather_mixed"]
+                ],
                 "reduce_sum": communicator.reduce(ReduceOp.SUM, PerReplica(values), None),
                 "reduce_mean_axis": communicator.reduce(ReduceOp.MEAN, PerReplica(shards), 0),
                 "gather": communicator.gather(shards, 0),
@@ -810,6 +845,7 @@ JOBS: dict[str, Callable[..., None]] = {
         per_replica_input,
         fit,
         collectives,
+        batch_norm_layers,
         checkpoint,
         checkpoint_faults,
         train_forever,

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.multiprocess.jobs import mixed
 from tests.multiprocess.spawn import assert_all_succeeded, run_workers
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
@@ -29,6 +30,8 @@ def test_collectives_run_over_the_local_replicas_then_across_the_workers(tmp_pat
             assert torch.equal(reduced, total)
         for gathered in result["all_gather"]:
             assert torch.equal(gathered, whole)
+        for gathered, expected in zip(result["all_gather_mixed"], mixed(whole), strict=True):
+            assert all(torch.equal(replica, expected) for replica in gathered)
         assert torch.equal(result["reduce_sum"], total)
         assert torch.equal(result["reduce_mean_axis"], mean)
         assert torch.equal(result["gather"], whole)

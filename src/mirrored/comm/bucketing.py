@@ -20,6 +20,7 @@ __all__ = [
     "GradientBucketPlan",
     "PackedTensors",
     "plan_buckets",
+    "plan_gather",
     "plan_gradient_buckets",
 ]
 
@@ -175,6 +176,31 @@ def plan_gradient_buckets(
         for index in bucket.indices:
             bucket_of[index] = b
     return GradientBucketPlan(buckets, tuple(torch.Size(s) for s in shapes), tuple(bucket_of))
+
+
+# Where each tensor starts in a gather's packed bytes: any dtype can be viewed there.
+GATHER_ALIGNMENT = 16
+
+
+def plan_gather(sizes: Sequence[Sequence[Sequence[int]]]) -> tuple[list[int], int]:
+    """Where each tensor's bytes start in the one flat byte buffer every worker gathers, and
+    the buffer's length: room for the longest worker's rows of each tensor, each start aligned.
+    ``sizes[worker][tensor]`` is ``(rows, bytes per row)``, bytes -1 where a worker has no
+    rows; a ValueError unless the workers' rows of each tensor are the same size."""
+    starts, total = [], 0
+    for index, per_worker in enumerate(zip(*sizes, strict=True)):
+        row_bytes = {int(row) for _, row in per_worker if row >= 0}
+        if len(row_bytes) > 1:
+            shapes = [f"worker {w}: {n} rows of {b} bytes" for w, (n, b) in enumerate(per_worker)]
+            raise ValueError(
+                f"all_gather of tensor {index}: the workers' tensors differ in every dimension "
+                f"but the gathered one ({', '.join(shapes)}); gather tensors whose shapes "
+                "differ only along the axis"
+            )
+        starts.append(total)
+        size = max(int(n) for n, _ in per_worker) * max(row_bytes, default=0)
+        total += -(-size // GATHER_ALIGNMENT) * GATHER_ALIGNMENT
+    return starts, total
 
 
 class PackedTensors:
