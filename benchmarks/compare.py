@@ -25,6 +25,10 @@ Rows:
   device, 1 thread each, on a gloo group on 127.0.0.1, with its default communication (AUTO:
   gradients summed through shared memory between the two processes of this machine, gloo for the
   rest): multi_worker.py's ``measure_mirrored``;
+- ``mirrored-2proc-x2``: the same in the same 2 processes with 2 logical CPU devices each
+  (``devices=["cpu:0", "cpu:1"]``, 4 replicas, the process's one thread split between its two):
+  judged against ``ddp-2proc``, the same processes on the same cores, as well as any peer with 4
+  devices;
 - ``ddp-2proc``: ``DistributedDataParallel`` (gloo, defaults) in the same two processes on the
   same group, each on its half of every batch: multi_worker.py's ``measure_ddp``;
 - ``tf-mirrored-1``, ``-2``, ``-4``: ``tf.distribute.MirroredStrategy`` (its defaults) on 1, 2, 4
@@ -162,16 +166,21 @@ DEVICE_COUNT = {
     "mirrored-2": 2,
     "mirrored-4": 4,
     "mirrored-2proc": 2,
+    "mirrored-2proc-x2": 4,
     "ddp-2proc": 2,
     "tf-mirrored-1": 1,
     "tf-mirrored-2": 2,
     "tf-mirrored-4": 4,
 }
 LOCAL_ROWS = ("plain", "mirrored-1", "mirrored-2", "mirrored-4")
-PROCESS_ROWS = ("mirrored-2proc", "ddp-2proc")
+PROCESS_ROWS = ("mirrored-2proc", "mirrored-2proc-x2", "ddp-2proc")
+# Logical CPU devices of each of the two processes (the x2 row trains on both).
+PROCESS_DEVICES = 2
 TF_ROWS = ("tf-mirrored-1", "tf-mirrored-2", "tf-mirrored-4")
-MIRRORED_ROWS = ("mirrored-1", "mirrored-2", "mirrored-4", "mirrored-2proc")
+MIRRORED_ROWS = ("mirrored-1", "mirrored-2", "mirrored-4", "mirrored-2proc", "mirrored-2proc-x2")
 PEER_ROWS = ("ddp-2proc", *TF_ROWS)
+# A peer judged at the same processes and cores rather than the same device count.
+SAME_PROCESSES_PEER = {"mirrored-2proc-x2": "ddp-2proc"}
 # The articles' MobileNetV2 job: cats against dogs, at the example's small default image size.
 MOBILENET_SIDE = 64
 MOBILENET_CLASSES = 2
@@ -454,9 +463,14 @@ def _process_worker(
         MASTER_PORT=str(port),
     )
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // PROCESSES))
-    strategy = mirrored.MultiWorkerMirroredStrategy(
-        mirrored.CommunicationOptions(timeout_seconds=timeout), devices=["cpu:0"]
+    cpu = config.list_physical_devices("CPU")[0]
+    config.set_logical_device_configuration(
+        cpu, [config.LogicalDeviceConfiguration()] * PROCESS_DEVICES
     )
+    options = mirrored.CommunicationOptions(timeout_seconds=timeout)
+    strategy = mirrored.MultiWorkerMirroredStrategy(options, devices=["cpu:0"])
+    # The x2 row's, made at its first measurement: it joins the first one's process group.
+    wide: mirrored.MultiWorkerMirroredStrategy | None = None
     try:
         batches = {
             name: SPECS[name].workload.make_batches(WARMUP_STEPS + steps, batch_size)
@@ -474,8 +488,12 @@ def _process_worker(
                 rss_before, reset = reset_peak_rss()
                 if row == "ddp-2proc":
                     answer = measure_ddp(workload, batches[name], steps, 0)
-                else:
+                elif row == "mirrored-2proc":
                     answer = measure_mirrored(strategy, workload, batches[name], steps, 0)
+                else:
+                    devices = [f"cpu:{i}" for i in range(PROCESS_DEVICES)]
+                    wide = wide or mirrored.MultiWorkerMirroredStrategy(options, devices=devices)
+                    answer = measure_mirrored(wide, workload, batches[name], steps, 0)
                 answer.update(peak_rss=peak_rss(), rss_before=rss_before, rss_reset=reset)
             elif kind == "compute":
                 name, steps = rest
@@ -487,6 +505,8 @@ def _process_worker(
             if rank == 0:
                 results.put(everyone)
     finally:
+        if wide is not None:
+            wide.close()
         strategy.close()
 
 
@@ -779,7 +799,8 @@ def summarize(name: str, result: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def verdicts(summary: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each mirrored row against each peer row with the same device count: throughput mine over
+    """Each mirrored row against each peer row with the same device count (or its
+    ``SAME_PROCESSES_PEER``): throughput mine over
     the peer's, best to best and the median of per-round ratios. Beside it, each row's throughput
     over its own framework's one-device row (plain; tf-mirrored-1), best to best: what the
     distribution costs or gains apart from the framework's kernels."""
@@ -788,7 +809,7 @@ def verdicts(summary: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         for peer in PEER_ROWS:
             if mine not in summary or peer not in summary:
                 continue
-            if DEVICE_COUNT[mine] != DEVICE_COUNT[peer]:
+            if DEVICE_COUNT[mine] != DEVICE_COUNT[peer] and SAME_PROCESSES_PEER.get(mine) != peer:
                 continue
             ours, theirs = summary[mine]["seconds"], summary[peer]["seconds"]
             base = "tf-mirrored-1" if peer in TF_ROWS else "plain"
@@ -808,7 +829,7 @@ def verdicts(summary: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
 
 def print_table(summaries: dict[str, dict[str, dict[str, Any]]]) -> None:
     print(
-        f"\n{'workload':<8} {'row':<15} {'dev':>3} {'ex/s':>8} {'vs plain':>8} {'paired':>7} "
+        f"\n{'workload':<8} {'row':<17} {'dev':>3} {'ex/s':>8} {'vs plain':>8} {'paired':>7} "
         f"{'ms/step':>8} {'state MiB':>9} {'peak RSS MiB':>15} {'fwd':>4} {'bwd':>4} {'opt':>4} "
         f"{'in':>4} {'other':>5}"
     )
@@ -823,7 +844,7 @@ def print_table(summaries: dict[str, dict[str, dict[str, Any]]]) -> None:
                 for key in (*PHASES, "other")
             )
             print(
-                f"{name:<8} {row:<15} {s['devices']:>3} {s['examples_per_s']:>8.0f} "
+                f"{name:<8} {row:<17} {s['devices']:>3} {s['examples_per_s']:>8.0f} "
                 f"{s['ratio_best']:>7.3f}x {s['ratio_paired']:>6.3f}x "
                 f"{s['ms_per_step_median']:>8.2f} {s['state_bytes_per_replica'] / 2**20:>9.2f} "
                 f"{rss:>15} {shares}"
@@ -844,7 +865,7 @@ def print_verdicts(summaries: dict[str, dict[str, dict[str, Any]]]) -> list[dict
         judged = {v["row"] for v in found}
         for v in found:
             print(
-                f"  {name:<5} {v['row']:<15} over {v['peer']:<14} best {v['best']:.3f}x, "
+                f"  {name:<5} {v['row']:<17} over {v['peer']:<14} best {v['best']:.3f}x, "
                 f"paired {v['paired']:.3f}x: {'ahead' if v['ahead'] else 'NOT ahead':<9} "
                 f"(over its 1-device row: {v['row_over_plain']:.3f}x, the peer "
                 f"{v['peer_over_its_one_device']:.3f}x)"
