@@ -13,14 +13,14 @@ import pytest
 import torch
 import torch.utils.checkpoint
 
-from mirrored import _torch_internals
+from mirrored import _torch_distributed, _torch_internals
 
 
 def test_the_installed_torch_is_the_tested_release_and_every_internal_is_recognised():
     assert _torch_internals.untested_torch(torch.__version__) is None
     assert _torch_internals.unrecognised_checkpoint(torch.utils.checkpoint) is None
     assert _torch_internals.unrecognised_clipping(torch.nn.utils.clip_grad) is None
-    assert _torch_internals._elastic_agent_recognised()
+    assert _torch_distributed._elastic_agent_recognised()
     assert len(_torch_internals.PRIVATE_SAMPLERS) == 2
     for accessor in ("will_engine_execute_node", "amp_unscale_and_check_", "foreach_mul_"):
         assert getattr(_torch_internals, accessor).__name__ != "missing", accessor
@@ -77,9 +77,9 @@ def test_import_mirrored_warns_only_on_an_untested_torch_at_the_import(version):
 
 
 def test_a_missing_internal_fails_where_it_is_used_naming_it_and_the_tested_release():
-    present = _torch_internals._required(torch, "torch", "_foreach_mul_", "scale")
+    present = _torch_internals.required(torch, "torch", "_foreach_mul_", "scale")
     assert present is torch._foreach_mul_
-    missing = _torch_internals._required(types.SimpleNamespace(), "torch._C", "_gone", "do this")
+    missing = _torch_internals.required(types.SimpleNamespace(), "torch._C", "_gone", "do this")
     with pytest.raises(ImportError, match=r"no torch\._C\._gone, which mirrored uses to do this"):
         missing(1)
     with pytest.raises(ImportError, match=r"install torch==2\.13\.\*"):
@@ -95,9 +95,9 @@ def test_an_unknown_torch_checkpoint_module_is_named():
 
 def test_an_unrecognised_elastic_agent_leaves_the_workers_to_torch(monkeypatch):
     agent = types.SimpleNamespace(_pcontext=object())
-    assert _torch_internals.elastic_worker_processes(agent) is agent._pcontext
-    monkeypatch.setattr(_torch_internals, "_elastic_agent_recognised", lambda: False)
-    assert _torch_internals.elastic_worker_processes(agent) is None
+    assert _torch_distributed.elastic_worker_processes(agent) is agent._pcontext
+    monkeypatch.setattr(_torch_distributed, "_elastic_agent_recognised", lambda: False)
+    assert _torch_distributed.elastic_worker_processes(agent) is None
 
 
 def test_generator_arguments_are_read_from_aten_s_schemas():
@@ -125,13 +125,13 @@ def test_code_is_read_under_decorators_and_frames_above_the_caller():
 
 
 def test_the_agent_s_worker_polls_are_recognised():
-    assert _torch_internals._worker_polls_recognised()
+    assert _torch_distributed._worker_polls_recognised()
 
 
 def test_a_look_runs_before_each_poll_of_the_agent_s_workers(monkeypatch):
     seen = []
     agent = types.SimpleNamespace(_pcontext=object(), _monitor_workers=lambda group: f"{group} run")
-    _torch_internals.before_each_worker_poll(agent, seen.append)
+    _torch_distributed.before_each_worker_poll(agent, seen.append)
     assert agent._monitor_workers("group") == "group run"
     assert seen == [agent._pcontext]
 
@@ -139,14 +139,14 @@ def test_a_look_runs_before_each_poll_of_the_agent_s_workers(monkeypatch):
 def test_an_agent_polled_otherwise_is_left_to_torch(monkeypatch):
     poll = functools.partial(str)
     agent = types.SimpleNamespace(_pcontext=object(), _monitor_workers=poll)
-    monkeypatch.setattr(_torch_internals, "_worker_polls_recognised", lambda: False)
-    _torch_internals.before_each_worker_poll(agent, pytest.fail)
+    monkeypatch.setattr(_torch_distributed, "_worker_polls_recognised", lambda: False)
+    _torch_distributed.before_each_worker_poll(agent, pytest.fail)
     assert agent._monitor_workers is poll
 
 
 def test_the_rpc_group_s_record_is_edited_under_its_membership_token():
     store = torch.distributed.HashStore()
-    with _torch_internals.rpc_group_membership_lock(store, "forget_worker1_2"):
+    with _torch_distributed.rpc_group_membership_lock(store, "forget_worker1_2"):
         held = store.get("RpcGroupManagementToken").decode()
     assert held == "Token_for_forget_worker1_2_leave"
     assert store.get("RpcGroupManagementToken") == b""
@@ -158,7 +158,7 @@ def test_an_unrecognised_rpc_group_lock_is_named(monkeypatch, lock):
 
     monkeypatch.setattr(_utils, "_group_membership_management", lock)
     with pytest.raises(ImportError, match=r"rpc\._utils\._group_membership_management.*record"):
-        _torch_internals.rpc_group_membership_lock(torch.distributed.HashStore(), "forget_x")
+        _torch_distributed.rpc_group_membership_lock(torch.distributed.HashStore(), "forget_x")
 
 
 def test_the_rpc_agent_s_store_is_reached_or_its_absence_named(monkeypatch):
@@ -166,10 +166,10 @@ def test_the_rpc_agent_s_store_is_reached_or_its_absence_named(monkeypatch):
 
     store = torch.distributed.HashStore()
     monkeypatch.setattr(api, "_get_current_rpc_agent", lambda: types.SimpleNamespace(store=store))
-    assert _torch_internals.rpc_agent_store() is store
+    assert _torch_distributed.rpc_agent_store() is store
     monkeypatch.delattr(api, "_get_current_rpc_agent")
     with pytest.raises(ImportError, match=r"rpc\.api\._get_current_rpc_agent.*RPC group's store"):
-        _torch_internals.rpc_agent_store()
+        _torch_distributed.rpc_agent_store()
 
 
 def test_the_default_store_is_the_process_group_s_and_a_missing_one_is_named(monkeypatch):
@@ -177,13 +177,13 @@ def test_the_default_store_is_the_process_group_s_and_a_missing_one_is_named(mon
     torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         keys = store.num_keys()
-        _torch_internals.default_store().set("probe", "1")
+        _torch_distributed.default_store().set("probe", "1")
         assert store.num_keys() == keys + 1  # written through to the group's own store
     finally:
         torch.distributed.destroy_process_group()
     monkeypatch.delattr(torch.distributed.distributed_c10d, "_get_default_store")
     with pytest.raises(ImportError, match=r"distributed_c10d\._get_default_store, which mirrored"):
-        _torch_internals.default_store()
+        _torch_distributed.default_store()
 
 
 def test_a_queued_backward_callback_runs_once_the_backward_pass_ends():

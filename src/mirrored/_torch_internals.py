@@ -4,7 +4,8 @@ runs on.
 Making torch's process-wide random generators per replica, reducing gradients during backward and
 routing torch's checkpointing and clipping through the replicas need names torch does not promise
 to keep: ``torch._C`` functions, private samplers and kernels, the private helpers of its
-checkpoint and clipping modules, its elastic agent's process context. Each is reached here only,
+checkpoint and clipping modules (torch.distributed's private names are
+:mod:`mirrored._torch_distributed`'s, checked the same way). Each is reached here only,
 by an accessor that says what it reaches and checks once, by feature (the name is there, its
 signature or code has the form this was written for), that it can: where it cannot, the accessor
 raises an error that names the missing piece, or takes the fallback its docstring gives. Lightning
@@ -16,7 +17,6 @@ other release gives one ``UserWarning`` (:func:`warn_if_untested_torch`).
 
 from __future__ import annotations
 
-import functools
 import inspect
 import re
 import sys
@@ -35,24 +35,23 @@ __all__ = [
     "TESTED_TORCH",
     "amp_unscale_and_check_",
     "aten_takes_generator",
-    "before_each_worker_poll",
     "body_without_torch_function_check",
     "caller_frame",
     "code_of",
-    "default_store",
     "disable_torch_function",
-    "elastic_worker_processes",
     "foreach_mul_",
     "is_functorch_wrapped",
+    "mark_step_called",
     "outside_functorch",
+    "parameter_names",
     "parameter_hooks",
     "run_hooks_last",
     "queue_backward_callback",
     "replace_checkpoint_implementations",
     "replace_gradient_readers",
-    "rpc_agent_store",
-    "rpc_group_membership_lock",
+    "required",
     "safe_softmax",
+    "share_step_hooks",
     "unrecognised_checkpoint",
     "unrecognised_clipping",
     "untested_torch",
@@ -95,7 +94,7 @@ def warn_if_untested_torch() -> None:
         warnings.warn(message, UserWarning, stacklevel=3)
 
 
-def _required(owner: object, where: str, name: str, purpose: str) -> Callable[..., Any]:
+def required(owner: object, where: str, name: str, purpose: str) -> Callable[..., Any]:
     """``owner.name`` (looked up once); where this torch has no such function, one that raises
     an ``ImportError`` naming it when called, so that ``import mirrored`` still works and only
     the feature that needs it fails (not a ``RuntimeError``, which callers catch from torch)."""
@@ -115,7 +114,7 @@ def _required(owner: object, where: str, name: str, purpose: str) -> Callable[..
 
 # -- autograd, dispatch and optimizer kernels -------------------------------------------------
 
-will_engine_execute_node: Callable[[Any], bool] = _required(
+will_engine_execute_node: Callable[[Any], bool] = required(
     torch._C,
     "torch._C",
     "_will_engine_execute_node",
@@ -124,7 +123,7 @@ will_engine_execute_node: Callable[[Any], bool] = _required(
 """``torch._C._will_engine_execute_node(node)``: whether the running backward pass executes the
 autograd ``node``."""
 
-amp_unscale_and_check_: Callable[..., None] = _required(
+amp_unscale_and_check_: Callable[..., None] = required(
     torch,
     "torch",
     "_amp_foreach_non_finite_check_and_unscale_",
@@ -134,13 +133,13 @@ amp_unscale_and_check_: Callable[..., None] = _required(
 each gradient by ``inv_scale`` in place and sets ``found_inf`` to 1 where any is not finite (what
 ``torch.amp.GradScaler.unscale_`` runs)."""
 
-foreach_mul_: Callable[..., None] = _required(
+foreach_mul_: Callable[..., None] = required(
     torch, "torch", "_foreach_mul_", "apply decoupled weight decay"
 )
 """``torch._foreach_mul_(tensors, factor)``: each tensor multiplied in place, in one kernel per
 device and dtype (what torch's own optimizers use for weight decay)."""
 
-queue_backward_callback: Callable[[Callable[[], None]], None] = _required(
+queue_backward_callback: Callable[[Callable[[], None]], None] = required(
     getattr(torch.autograd.Variable, "_execution_engine", None),
     "torch.autograd.Variable._execution_engine",
     "queue_callback",
@@ -299,29 +298,27 @@ def safe_softmax(scores: torch.Tensor, dim: int) -> torch.Tensor:
     return _safe_softmax(scores, dim)
 
 
-# -- torch.distributed's process group (mirrored.comm.worker_group)
-# ----------------------------------
+# -- torch.optim (mirrored.replication.central_update) -----------------------------------------
 
 
-def default_store() -> Any:
-    """``torch.distributed.distributed_c10d._get_default_store()``: the rendezvous store of the
-    default process group, which a program that set up ``torch.distributed`` itself made (the
-    workers publish their heartbeats on it). Raises an ``ImportError`` naming it where this
-    torch has none."""
-    from torch.distributed import distributed_c10d
+def share_step_hooks(source: torch.optim.Optimizer, target: torch.optim.Optimizer) -> None:
+    """Make ``target.step()`` run the step hooks registered on ``source``, now and later: the
+    two hold the same tables (``Optimizer._optimizer_step_pre_hooks`` and ``_post_hooks``);
+    the hooks get ``target`` as their optimizer."""
+    target._optimizer_step_pre_hooks = source._optimizer_step_pre_hooks
+    target._optimizer_step_post_hooks = source._optimizer_step_post_hooks
 
-    return _required(
-        distributed_c10d,
-        "torch.distributed.distributed_c10d",
-        "_get_default_store",
-        "join the rendezvous store of a process group the program set up itself",
-    )()
+
+def mark_step_called(optimizer: torch.optim.Optimizer) -> None:
+    """Tell torch's LR schedulers that ``optimizer`` stepped (``_opt_called``, which the wrapper
+    they put on its ``step`` sets), when another optimizer made its update."""
+    optimizer._opt_called = True  # type: ignore[attr-defined]
 
 
 # -- torch.utils.checkpoint and torch.nn.utils.clip_grad (mirrored.torch_patches) --------------
 
 
-def _parameters(function: Any) -> list[str]:
+def parameter_names(function: Any) -> list[str]:
     try:
         return list(inspect.signature(function).parameters)
     except (TypeError, ValueError):
@@ -347,7 +344,7 @@ def unrecognised_checkpoint(module: ModuleType | Any) -> str | None:
     function = getattr(module, "CheckpointFunction", None)
     backward = code_of(getattr(function, "backward", None))
     if (
-        _parameters(getattr(function, "forward", None))[:3]
+        parameter_names(getattr(function, "forward", None))[:3]
         != ["ctx", "run_function", "preserve_rng_state"]
         or backward is None
         or "run_function" not in backward.co_names
@@ -357,7 +354,7 @@ def unrecognised_checkpoint(module: ModuleType | Any) -> str | None:
     code = code_of(generator)
     if (
         code is None
-        or _parameters(generator)[:3] != ["fn", "preserve_rng_state", "context_fn"]
+        or parameter_names(generator)[:3] != ["fn", "preserve_rng_state", "context_fn"]
         or "fn" not in code.co_cellvars
     ):
         return "_checkpoint_without_reentrant_generator is not (fn, preserve_rng_state, ...)"
@@ -389,7 +386,7 @@ def unrecognised_clipping(module: ModuleType | Any) -> str | None:
     norm = code_of(getattr(module, "clip_grad_norm_", None))
     if norm is None or "_clip_grads_with_norm_" not in norm.co_names:
         return "clip_grad_norm_ does not hand its parameters to _clip_grads_with_norm_"
-    if _parameters(getattr(module, "_clip_grads_with_norm_", None))[:1] != ["parameters"]:
+    if parameter_names(getattr(module, "_clip_grads_with_norm_", None))[:1] != ["parameters"]:
         return "_clip_grads_with_norm_ does not take the parameters first"
     return None
 
@@ -410,91 +407,3 @@ def replace_gradient_readers(
     grouping = module._group_tensors_by_device_and_dtype
     replace(module, "_group_tensors_by_device_and_dtype", wrap(grouping, lambda lists: lists[0]))
     replace(module, "_clip_grads_with_norm_", wrap(module._clip_grads_with_norm_, lambda p: p))
-
-
-# -- torch.distributed.elastic (mirrored.launch.launcher)
-# ----------------------------------------------
-
-
-@functools.cache
-def _elastic_agent_recognised() -> bool:
-    """Whether torch's ``LocalElasticAgent`` keeps its workers' process context in
-    ``self._pcontext``: set by ``_start_workers``, polled by ``_monitor_workers``."""
-    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-
-    methods = (
-        LocalElasticAgent.__dict__.get(name) for name in ("_start_workers", "_monitor_workers")
-    )
-    codes = [code_of(method) for method in methods]
-    return all(code is not None and "_pcontext" in code.co_names for code in codes)
-
-
-def elastic_worker_processes(agent: Any) -> Any:
-    """The process context (``PContext``) of an elastic ``agent``'s workers: its private
-    ``_pcontext``. Fallback, on a torch whose agent is not recognised: None (the caller leaves
-    the workers' exit statuses to torch)."""
-    return getattr(agent, "_pcontext", None) if _elastic_agent_recognised() else None
-
-
-# -- the elastic agent's monitoring, the RPC group's record (mirrored.launch.agent, rpc_cluster) --
-
-
-@functools.cache
-def _worker_polls_recognised() -> bool:
-    """Whether torch's elastic agent polls its workers by calling
-    ``self._monitor_workers(worker_group)`` from its run loop (``_invoke_run``)."""
-    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
-    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-
-    monitor = LocalElasticAgent.__dict__.get("_monitor_workers")
-    run_loop = code_of(SimpleElasticAgent.__dict__.get("_invoke_run"))
-    return (
-        _parameters(monitor) == ["self", "worker_group"]
-        and run_loop is not None
-        and "_monitor_workers" in run_loop.co_names
-    )
-
-
-def before_each_worker_poll(agent: Any, look: Callable[[Any], None]) -> None:
-    """Have the elastic ``agent`` (a ``LocalElasticAgent``) call ``look(processes)``, with its
-    workers' process context (:func:`elastic_worker_processes`), each time it polls its workers'
-    exit statuses: its private ``_monitor_workers`` is wrapped on the instance. Fallback, on a
-    torch whose agent is not recognised: nothing is wrapped (the statuses are left to torch)."""
-    if not (_elastic_agent_recognised() and _worker_polls_recognised()):
-        return
-    poll = agent._monitor_workers
-
-    def look_then_poll(worker_group: Any) -> Any:
-        look(elastic_worker_processes(agent))
-        return poll(worker_group)
-
-    agent._monitor_workers = look_then_poll
-
-
-def rpc_agent_store() -> Any:
-    """The store of this process's ``torch.distributed.rpc`` agent, where its dynamic group
-    keeps the record of its members (private ``rpc.api._get_current_rpc_agent``)."""
-    from torch.distributed.rpc import api
-
-    current_agent = _required(
-        api, "torch.distributed.rpc.api", "_get_current_rpc_agent", "find the RPC group's store"
-    )
-    return current_agent().store
-
-
-def rpc_group_membership_lock(store: Any, name: str) -> AbstractContextManager[None]:
-    """Hold ``torch.distributed.rpc``'s lock on its dynamic group's record in ``store`` (the
-    token its members take to join or leave; ``name``: who holds it), to edit that record
-    (private ``_utils._group_membership_management(store, name, is_join)``). Raises an
-    ``ImportError`` naming it on a torch without it, or with another signature."""
-    from torch.distributed.rpc import _utils
-
-    found = getattr(_utils, "_group_membership_management", None)
-    recognised = _parameters(found) == ["store", "name", "is_join"]
-    lock = _required(
-        _utils if recognised else None,
-        "torch.distributed.rpc._utils",
-        "_group_membership_management",
-        "edit the RPC group's record of its members (as a (store, name, is_join) lock)",
-    )
-    return lock(store, name, False)

@@ -13,7 +13,7 @@ import datetime
 
 import torch.distributed as dist
 
-from mirrored._torch_internals import default_store
+from mirrored._torch_distributed import default_store
 from mirrored.cluster.resolvers import ClusterResolver
 from mirrored.comm import same_host_all_reduce
 

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mirrored._torch_internals import default_store
+from mirrored._torch_distributed import default_store
 from mirrored.cluster.resolvers import ClusterResolver
 from mirrored.cluster.store import connect_store, sockets_on_loopback
 from mirrored.comm.same_host_all_reduce import LocalReduceError, SameHostAllReduce

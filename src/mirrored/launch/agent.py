@@ -31,7 +31,7 @@ from torch.distributed.elastic.multiprocessing.api import SubprocessContext
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
 
-from mirrored._torch_internals import before_each_worker_poll
+from mirrored._torch_distributed import before_each_worker_poll
 from mirrored.launch.plan import LaunchPlan
 from mirrored.launch.stores import BACKEND, RUN_ID
 from mirrored.launch.worker import finished_marker

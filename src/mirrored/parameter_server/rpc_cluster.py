@@ -40,7 +40,7 @@ from urllib.parse import parse_qs, urlparse
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
-from mirrored._torch_internals import rpc_agent_store, rpc_group_membership_lock
+from mirrored._torch_distributed import rpc_agent_store, rpc_group_membership_lock
 from mirrored.cluster.store import host_store, sockets_on_loopback
 
 __all__ = [
