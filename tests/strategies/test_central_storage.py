@@ -3,6 +3,8 @@ mirrored on the others, exact against the plain loop."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -32,6 +34,10 @@ LAYOUTS: dict[str, dict] = {
     "on_a_compute_device": {"compute_devices": ["cpu:0", "cpu:1", "cpu:2"]},
     "on_its_own_device": {
         "compute_devices": ["cpu:1", "cpu:2", "cpu:3"],
+        "parameter_device": "cpu:0",
+    },
+    "on_a_later_replica": {
+        "compute_devices": ["cpu:1", "cpu:0", "cpu:2"],
         "parameter_device": "cpu:0",
     },
 }
@@ -77,9 +83,10 @@ def test_the_optimizer_state_lives_once_on_the_parameter_device(layout: str) -> 
         central = mirrored_optimizer.update_plan.central
         assert central is not None
         assert central.parameter_device == strategy.parameter_device.torch_device
-        # Only the user's optimizer shows state, the central one's very tensors.
-        holders = [i for i, o in enumerate(mirrored_optimizer.optimizers) if o.state]
-        assert holders == [0]
+        # Only the updating replica's optimizer holds state (none where the parameter device is
+        # apart), and the program's shows the very same tensors.
+        holders = {i for i, o in enumerate(mirrored_optimizer.optimizers) if o.state}
+        assert holders == {0, central.updater}
         shown = {id(t) for s in mirrored_optimizer.optimizers[0].state.values() for t in s.values()}
         assert shown == {id(t) for s in central.optimizer.state.values() for t in s.values()}
         state_size = sum(v.numel() for s in central.optimizer.state.values() for v in s.values())
@@ -98,7 +105,6 @@ def test_edits_outside_run_and_a_schedule_reach_the_update(layout: str) -> None:
         with strategy.scope() if strategy else mirrored.get_strategy().scope():
             model = make_mlp()
             optimizer = OPTIMIZERS["sgd_momentum"](model)
-        scheduler = None
         if strategy is not None:
             mirrored_model, optimizer = strategy.mirror(model, optimizer)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
@@ -206,3 +212,60 @@ def test_step_with_a_closure_is_refused_before_anything_changes() -> None:
 def test_bad_devices_are_refused(arguments: dict, error: type, message: str) -> None:
     with pytest.raises(error, match=message):
         mirrored.CentralStorageStrategy(**arguments)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_an_edit_right_after_step_is_not_lost_in_the_copies(layout: str) -> None:
+    """The replica function scales the weights in place after ``step()``: every replica must
+    have copied the update before the parameter device's values change again."""
+    batches = make_batches()[:8]
+    reference = make_mlp()
+    reference_optimizer = OPTIMIZERS["sgd"](reference)
+    for x, y in batches:
+        train_plain(reference, reference_optimizer, [(x, y)])
+        with torch.no_grad():
+            for param in reference.parameters():
+                param.mul_(0.9)
+
+    def step(batch, model, optimizer) -> None:
+        replica_step(batch, model, optimizer)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.mul_(0.9)
+
+    with _central(layout) as strategy:
+        with strategy.scope():
+            model = make_mlp()
+            optimizer = OPTIMIZERS["sgd"](model)
+        mirrored_model, mirrored_optimizer = strategy.mirror(model, optimizer)
+        for batch in strategy.experimental_distribute_dataset(batches):
+            strategy.run(step, (batch, mirrored_model, mirrored_optimizer))
+        assert_replicas_identical(mirrored_model)
+    assert_same_parameters(reference, model)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_step_hooks_and_a_schedule_see_one_step_per_update(layout: str) -> None:
+    """Hooks on the program's optimizer (before or after mirroring) and on the mirrored one run
+    once per update, and torch's scheduler sees its optimizer step (no warning that it did
+    not)."""
+    calls = {"program": 0, "mirrored": 0, "program_after": 0}
+
+    def counting(name: str):
+        return lambda *_: calls.__setitem__(name, calls[name] + 1)
+
+    with _central(layout) as strategy:
+        with strategy.scope():
+            model = make_mlp()
+            optimizer = OPTIMIZERS["sgd"](model)
+        optimizer.register_step_post_hook(counting("program"))
+        mirrored_model, mirrored_optimizer = strategy.mirror(model, optimizer)
+        mirrored_optimizer.register_step_post_hook(counting("mirrored"))
+        optimizer.register_step_pre_hook(counting("program_after"))
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # torch's "lr_scheduler.step() before optimizer.step()"
+            for batch in strategy.experimental_distribute_dataset(make_batches()[:3]):
+                strategy.run(replica_step, (batch, mirrored_model, mirrored_optimizer))
+                scheduler.step()
+    assert calls == {"program": 3, "mirrored": 3, "program_after": 3}

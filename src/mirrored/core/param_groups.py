@@ -13,7 +13,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["hyperparameters", "plain_settings", "settings_of", "snapshot", "take_hyperparameters"]
+__all__ = [
+    "hyperparameters",
+    "plain_settings",
+    "settings_of",
+    "snapshot",
+    "take_group_hyperparameters",
+    "take_hyperparameters",
+]
 
 
 def hyperparameters(group: Mapping[str, Any]) -> dict[str, Any]:
@@ -38,6 +45,14 @@ def take_hyperparameters(group: dict[str, Any], values: Mapping[str, Any]) -> No
     device = params[0].device if params else None
     for key, value in values.items():
         group[key] = _own(group.get(key), value, device)
+
+
+def take_group_hyperparameters(
+    groups: Sequence[dict[str, Any]], values: Sequence[Mapping[str, Any]]
+) -> None:
+    """Each group's ``values`` (a ``snapshot`` of groups laid out alike) into it."""
+    for group, group_values in zip(groups, values, strict=True):
+        take_hyperparameters(group, group_values)
 
 
 def _copied(value: Any, device: torch.device | None) -> Any:

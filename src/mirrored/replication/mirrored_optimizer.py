@@ -23,7 +23,7 @@ from torch import nn
 
 from mirrored._torch_internals import disable_torch_function
 from mirrored.core.context import ReplicaContext
-from mirrored.core.param_groups import snapshot, take_hyperparameters
+from mirrored.core.param_groups import snapshot, take_group_hyperparameters
 from mirrored.core.replica_meeting import SyncMismatchError
 from mirrored.core.values import ReduceOp
 from mirrored.replication.gradient_reducer import OverlappedGradientReducer, check_dense
@@ -76,6 +76,7 @@ class MirroredOptimizer(ReplicaOptimizers):
         # Accumulation, local SGD, ZeRO, the reducer and owner updates, planned once.
         self._plan = plan_updates(features, optimizers, params)
         self.forward_loads()  # the program's own optimizer.load_state_dict() reaches every replica
+        strategy.at_close(self.stop_forwarding_loads)
 
     def release(self) -> None:
         """Its module was released: it can no longer step, and takes no part in clipping (the
@@ -263,10 +264,7 @@ class MirroredOptimizer(ReplicaOptimizers):
                 "an empty shard too: the scaled loss of no examples is 0)"
             )
         if replica_id:
-            for group, values in zip(
-                self.optimizers[replica_id].param_groups, posted[0][1], strict=True
-            ):
-                take_hyperparameters(group, values)
+            take_group_hyperparameters(self.optimizers[replica_id].param_groups, posted[0][1])
         return [p for _, _, p in posted]
 
     def _local_update(self, replica: ReplicaContext, average: bool) -> Any:
@@ -347,6 +345,7 @@ class MirroredOptimizer(ReplicaOptimizers):
             result = self._plan.central.update(replica_id)
             replica.exchange.barrier("optimizer.step: central update")
             self._plan.central.copy_out(replica_id)
+            replica.exchange.barrier("optimizer.step: parameters copied")
         else:
             result = self.optimizers[replica_id].step(closure)
         if self._running_stats[replica_id]:  # after any forward the closure ran
@@ -399,6 +398,12 @@ class MirroredOptimizer(ReplicaOptimizers):
             for optimizer in self.optimizers[1:]:
                 load_own_copy(optimizer, self.optimizers[0].state_dict())
 
+    def stepping(self) -> Sequence[torch.optim.Optimizer]:
+        """The optimizers whose ``step()`` makes the updates: every replica's, or under a
+        ``CentralStorageStrategy`` the parameter device's alone."""
+        central = self._plan.central
+        return self.optimizers if central is None else (central.optimizer,)
+
     @property
     def zero_stage(self) -> int:
         """The strategy's ``zero_stage`` this optimizer runs with (0: no sharding)."""
@@ -407,7 +412,8 @@ class MirroredOptimizer(ReplicaOptimizers):
     def state_bytes(self) -> list[int]:
         """Bytes of optimizer state (its tensors) each local replica holds: the whole state on
         every replica, or about 1/N of it with ``zero_stage`` (a tensor replicas share counts
-        once, for the first)."""
+        once, for the first; under a ``CentralStorageStrategy`` the state lives once, on the
+        parameter device, and counts for replica 0, whose optimizer shows it)."""
         if self._plan.zero is not None:
             return self._plan.zero.state_bytes()
         return state_bytes(self.optimizers)
@@ -427,7 +433,8 @@ class MirroredOptimizer(ReplicaOptimizers):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load the same state into every replica's optimizer (moved to its device); with
-        ``zero_stage``, each replica keeps the state of the parameters it owns."""
+        ``zero_stage``, each replica keeps the state of the parameters it owns; under a
+        ``CentralStorageStrategy``, into the parameter device's optimizer alone."""
         state_dict = self._run_hooks("load_state_dict_pre", state_dict)
         with self._own_load():
             if self._plan.zero is not None:

@@ -3,7 +3,7 @@
 A mirrored optimizer is a ``torch.optim.Optimizer`` so that what takes one (torch's LR schedulers,
 hooks, ``repr``) takes it. This base class is that face: the hyperparameters and state are replica
 0's (the original optimizer's, which every replica takes at its next step), step hooks reach every
-replica's optimizer, and state-dict hooks are its own, since its ``state_dict()`` is not always
+optimizer that steps, and state-dict hooks are its own, since its ``state_dict()`` is not always
 replica 0's. What a step does is :mod:`mirrored.replication.mirrored_optimizer`'s.
 """
 
@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from mirrored.core.state_checks import check_optimizer_state
 from mirrored.replication.mirrored_module import ReplicaHandles
 
 __all__ = ["ReplicaOptimizers", "holds_any"]
@@ -61,10 +62,9 @@ class ReplicaOptimizers(torch.optim.Optimizer):
             self._loading = False
 
     def stop_forwarding_loads(self) -> None:
-        """Leave the original optimizer's loads to it alone (this one was released)."""
-        for handle in self._user_load_hooks:
-            handle.remove()
-        self._user_load_hooks = []
+        """Leave the original optimizer's loads to it alone (this one was released, or its
+        strategy closed)."""
+        _remove_all(self._user_load_hooks)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -84,7 +84,8 @@ class ReplicaOptimizers(torch.optim.Optimizer):
     @property
     def state(self) -> Any:  # type: ignore[override]
         """Replica 0's per-parameter state (every replica holds the same; with ``zero_stage``
-        each holds its share: use ``state_dict()`` for all of it)."""
+        each holds its share: use ``state_dict()`` for all of it; under a
+        ``CentralStorageStrategy`` replica 0's shows the parameter device's)."""
         return self.optimizers[0].state
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -95,12 +96,16 @@ class ReplicaOptimizers(torch.optim.Optimizer):
         )
 
     def register_step_pre_hook(self, hook: Callable[..., Any]) -> ReplicaHandles:  # type: ignore[override]
-        """``hook`` on every replica's optimizer (called with that replica's optimizer)."""
-        return ReplicaHandles([o.register_step_pre_hook(hook) for o in self.optimizers])
+        """``hook`` on every optimizer that steps (called with that optimizer)."""
+        return ReplicaHandles([o.register_step_pre_hook(hook) for o in self.stepping()])
 
     def register_step_post_hook(self, hook: Callable[..., Any]) -> ReplicaHandles:  # type: ignore[override]
-        """``hook`` on every replica's optimizer (called with that replica's optimizer)."""
-        return ReplicaHandles([o.register_step_post_hook(hook) for o in self.optimizers])
+        """``hook`` on every optimizer that steps (called with that optimizer)."""
+        return ReplicaHandles([o.register_step_post_hook(hook) for o in self.stepping()])
+
+    def stepping(self) -> Sequence[torch.optim.Optimizer]:
+        """The optimizers whose ``step()`` makes the updates: every replica's."""
+        return self.optimizers
 
     def register_state_dict_pre_hook(
         self, hook: Callable[..., Any], prepend: bool = False
@@ -162,26 +167,37 @@ class ReplicaOptimizers(torch.optim.Optimizer):
 def _forward_user_loads(mirrored: ReplicaOptimizers) -> list[RemovableHandle]:
     """Make a state loaded into the original optimizer (the program's, which ``Model.optimizer``
     returns) a load into ``mirrored``, which reaches every replica's update: torch's own load
-    would reach replica 0 alone, silently. The hooks hold ``mirrored`` weakly; while it loads
-    (into replica 0's optimizer too: ``_own_load``) they stand aside."""
+    would reach replica 0 alone, silently. A state that does not fit is refused before torch
+    changes anything. The hooks hold ``mirrored`` weakly and go with it; while it loads (into
+    replica 0's optimizer too: ``_own_load``) they stand aside."""
     me = weakref.ref(mirrored)
-    loading: list[dict[str, Any]] = []
+    pending: list[dict[str, Any] | None] = [None]  # the state torch is loading
 
     def before(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
         target = me()
+        pending[0] = None
         if target is not None and not target._loading:
-            loading.append(state_dict)
+            check_optimizer_state(optimizer, state_dict, "the optimizer state")
+            pending[0] = state_dict
 
     def after(optimizer: torch.optim.Optimizer) -> None:
-        target = me()
-        if loading and target is not None:
-            target.load_state_dict(loading.pop())
+        target, state_dict = me(), pending[0]
+        pending[0] = None
+        if target is not None and state_dict is not None and not target._loading:
+            target.load_state_dict(state_dict)
 
     original = mirrored.optimizers[0]
-    return [
+    handles = [
         original.register_load_state_dict_pre_hook(before),
         original.register_load_state_dict_post_hook(after),
     ]
+    weakref.finalize(mirrored, _remove_all, handles)
+    return handles
+
+
+def _remove_all(handles: list[RemovableHandle]) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 def holds_any(params: Iterable[nn.Parameter], tensor_ids: set[int]) -> bool:

@@ -4,8 +4,8 @@ Each compute device runs a replica of the step on its shard of the global batch,
 ``MirroredStrategy``; the gradients are summed onto the parameter device
 (``ReductionToOneDevice``: no peer-to-peer traffic between the compute devices, which is what
 fits GPUs without peer links), and the optimizer's state and update live there, once
-(:mod:`mirrored.replication.central_update`). With several GPUs the parameters live on the CPU by
-default, so the optimizer state costs no GPU memory.
+(:mod:`mirrored.replication.central_update`). With several GPUs the parameter device is the CPU by
+default, so the optimizer state (and the central copy of the parameters) costs no GPU memory.
 """
 
 from __future__ import annotations
@@ -60,10 +60,6 @@ class CentralStorageStrategy(MirroredStrategy):
             gradient_accumulation_steps=gradient_accumulation_steps,
             check_replicas=check_replicas,
         )
-
-    def owner_updates(self) -> bool:
-        """None: the parameter device applies every update."""
-        return False
 
     def central_update(
         self,

@@ -63,7 +63,7 @@ from mirrored.replication.mirrored_optimizer import MirroredOptimizer
 from mirrored.replication.optimizer_copies import replicate_optimizer
 from mirrored.replication.replica_optimizers import holds_any
 from mirrored.strategies.in_process import InProcessStrategy
-from mirrored.strategies.mirrored import default_devices
+from mirrored.strategies.mirrored import local_devices
 
 __all__ = ["PipelineStrategy", "PipelinedModule", "PipelinedOptimizer"]
 
@@ -101,7 +101,7 @@ class PipelineStrategy(InProcessStrategy):
         recompute: bool = False,
         timeout_seconds: float | None = 1800.0,
     ) -> None:
-        logical = _resolve_devices(devices)
+        logical = local_devices(devices)
         _check_positive_int("num_microbatches", num_microbatches)
         _check_positive_int("num_pipelines", num_pipelines)
         if schedule not in SCHEDULES:
@@ -447,17 +447,6 @@ def _pipelines_to_zero(strategy: ReplicaSet) -> list[int]:
         return list(range(strategy.num_pipelines))
     pipeline, microbatch = strategy._locate(replica)
     return [pipeline] if microbatch == 0 else []
-
-
-def _resolve_devices(
-    devices: Sequence[DeviceSpec | LogicalDevice] | None,
-) -> list[LogicalDevice]:
-    """The strategy's devices: those given, else every logical GPU, else every logical CPU."""
-    if isinstance(devices, (str, torch.device)):
-        raise TypeError(
-            f"devices={devices!r}: expected a list of devices, such as [{str(devices)!r}]"
-        )
-    return config.resolve_devices(devices) if devices is not None else default_devices()
 
 
 def _group_into_pipelines(
