@@ -197,3 +197,45 @@ def test_aggregation_errors_name_the_problem():
         mirrored.set_buffer_aggregation(module, {"ema": "average"})
     with pytest.raises(TypeError, match=r"expected a torch\.nn\.Module"):
         mirrored.set_buffer_aggregation("model", {"ema": "mean"})
+
+
+def test_the_changed_buffers_of_each_dtype_cross_as_one_tensor_and_agreeing_ones_stay_bitwise():
+    class Mixed(nn.Module):
+        """Floating and integer buffers, most changed alike on every replica, one by the data."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            for index in range(3):
+                self.register_buffer(f"rate{index}", torch.tensor([0.1, 0.3]) * (index + 1))
+                self.register_buffer(f"calls{index}", torch.zeros((), dtype=torch.int64))
+            self.register_buffer("seen", torch.zeros(1))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for index in range(3):
+                getattr(self, f"rate{index}").mul_(0.7)
+                getattr(self, f"calls{index}").add_(1)
+            self.seen.copy_(x.sum(0))  # a different value on each shard
+            return x
+
+    expected = Mixed()
+    expected(torch.ones(1, 1))
+    crossing: list[int] = []
+    with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
+        model = strategy.mirror(Mixed())
+        counters = {f"calls{index}": "only_first_replica" for index in range(3)}
+        mirrored.set_buffer_aggregation(model, counters)
+        gather = strategy.communicator.all_gather_tensors
+
+        def counted(replica, tensors, axis):
+            crossing.append(len(tensors))
+            return gather(replica, tensors, axis)
+
+        strategy.communicator.all_gather_tensors = counted
+        (batch,) = strategy.experimental_distribute_dataset([torch.tensor([[1.0], [2.0]])])
+        strategy.run(model, (batch,))
+    assert crossing == [2, 2]  # per replica: its floating buffers, then its integer ones
+    for name, value in expected.named_buffers():
+        if name != "seen":
+            assert torch.equal(getattr(model, name), value), name
+    assert torch.equal(model.seen, torch.tensor([1.5]))
+    assert_replicas_identical(model)
