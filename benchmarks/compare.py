@@ -28,7 +28,8 @@ Rows:
 - ``mirrored-2proc-x2``: the same in the same 2 processes with 2 logical CPU devices each
   (``devices=["cpu:0", "cpu:1"]``, 4 replicas, the process's one thread split between its two):
   judged against ``ddp-2proc``, the same processes on the same cores, as well as any peer with 4
-  devices;
+  devices; its breakdown shows only the input (the phase clock is the process's, and both
+  replica threads would add to it);
 - ``ddp-2proc``: ``DistributedDataParallel`` (gloo, defaults) in the same two processes on the
   same group, each on its half of every batch: multi_worker.py's ``measure_ddp``;
 - ``tf-mirrored-1``, ``-2``, ``-4``: ``tf.distribute.MirroredStrategy`` (its defaults) on 1, 2, 4
@@ -513,9 +514,12 @@ def _process_worker(
 def measure_process_row(pair: Peer, row: str, name: str) -> Record:
     ranks = pair.ask(("measure", row, name))
     first = ranks[0]
+    # multi_worker.py's phase clock is the process's: with 2 replicas a process, both threads'
+    # forward, backward and update add up in it, so only the step and its input are kept.
+    kept = ("step", *PHASES) if DEVICE_COUNT[row] == PROCESSES else ("step", "input")
     return {
         "seconds": first["seconds"],
-        "phases_ms": {key: 1e3 * first[key] for key in ("step", *PHASES) if key in first},
+        "phases_ms": {key: 1e3 * first[key] for key in kept if key in first},
         "state_bytes": None,  # one replica per process: the plain loop's (see docstring)
         "peak_rss": max(r["peak_rss"] for r in ranks),
         "rss_before": max(r["rss_before"] for r in ranks),
