@@ -210,6 +210,14 @@ def run_workers(
     return wait_workers(start_workers(job, out, num_workers, **kw), timeout)  # type: ignore[arg-type]
 
 
+def assert_all_failed_saying(workers: Sequence[Worker], *messages: str) -> None:
+    """Every worker exited with an error, its output holding each of ``messages``."""
+    for worker in workers:
+        assert worker.returncode != 0, f"worker {worker.rank} exited 0"
+        for message in messages:
+            assert message in worker.output, worker.output[-2000:]
+
+
 def assert_all_succeeded(workers: Sequence[Worker]) -> None:
     failed = [w for w in workers if w.returncode != 0]
     assert not failed, "\n".join(

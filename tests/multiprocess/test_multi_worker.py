@@ -20,6 +20,7 @@ from mirrored.replication.sharded_update import state_bytes
 from tests.exactness import assert_close_float64
 from tests.multiprocess.jobs import batch_norm_net, compile_mlp, fit_data, shuffled_loader
 from tests.multiprocess.spawn import (
+    assert_all_failed_saying,
     assert_all_succeeded,
     kill_workers,
     run_workers,
@@ -598,10 +599,9 @@ def test_a_worker_that_never_starts_is_named(
 
 def test_workers_with_different_models_fail_clearly(tmp_path: Path) -> None:
     workers = run_workers("different_models", tmp_path)
-    for worker in workers:
-        assert worker.returncode != 0
-        assert "worker 1 built a different model than worker 0" in worker.output
-        assert "[3, 4]" in worker.output and "[2, 4]" in worker.output
+    assert_all_failed_saying(
+        workers, "worker 1 built a different model than worker 0", "[3, 4]", "[2, 4]"
+    )
 
 
 @pytest.mark.parametrize(
@@ -620,9 +620,7 @@ def test_workers_with_different_optimizer_settings_fail_clearly(
 ) -> None:
     """A learning rate set differently on one worker trained apart, silently."""
     workers = run_workers("different_settings", tmp_path, args=[where])
-    for worker in workers:
-        assert worker.returncode != 0
-        assert message in worker.output, worker.output[-1500:]
+    assert_all_failed_saying(workers, message)
 
 
 @pytest.mark.parametrize(
@@ -636,19 +634,13 @@ def test_workers_with_different_numbers_of_steps_fail_clearly(
     tmp_path: Path, kind: str, message: str
 ) -> None:
     workers = run_workers("uneven_input", tmp_path, args=[kind])
-    for worker in workers:
-        assert worker.returncode != 0
-        assert message in worker.output, worker.output
+    assert_all_failed_saying(workers, message)
 
 
 @pytest.mark.parametrize("kind", ["loader", "fit"])
 def test_workers_that_shuffle_differently_fail_clearly(tmp_path: Path, kind: str) -> None:
     workers = run_workers("seeded_per_rank", tmp_path, args=[kind])
-    for worker in workers:
-        assert worker.returncode != 0
-        assert "the workers' first global batches hold different examples" in worker.output, (
-            worker.output[-2000:]
-        )
+    assert_all_failed_saying(workers, "the workers' first global batches hold different examples")
 
 
 def test_close_waits_for_the_heartbeat_to_leave_its_store_call(tmp_path: Path) -> None:
