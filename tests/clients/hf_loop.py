@@ -62,12 +62,14 @@ class LoopOptions:
     ``max_grad_norm``) and a learning-rate schedule stepped after it (the docs' custom loop).
     ``schedule_in_step``: the mirrored loop steps the schedule inside the replica function, right
     after ``optimizer.step()`` as the plain loop does, instead of after ``strategy.run``;
-    ``gradient_checkpointing``: both loops enable it in its default form."""
+    ``gradient_checkpointing``: both loops enable it in its default form; ``parameter_device``:
+    the mirrored loop runs under ``CentralStorageStrategy`` with the update there."""
 
     max_grad_norm: float | None = None
     schedule: Callable[[torch.optim.Optimizer], LRScheduler] | None = None
     schedule_in_step: bool = False
     gradient_checkpointing: bool = False  # model.gradient_checkpointing_enable(), its defaults
+    parameter_device: str | None = None
 
 
 def _enable_gradient_checkpointing(model: nn.Module) -> None:
@@ -111,7 +113,13 @@ def train_mirrored(
     the global loss of every step."""
     if options.gradient_checkpointing:
         _enable_gradient_checkpointing(model)
-    with mirrored.MirroredStrategy([f"cpu:{i}" for i in range(num_devices)]) as strategy:
+    devices = [f"cpu:{i}" for i in range(num_devices)]
+    strategy = (
+        mirrored.MirroredStrategy(devices)
+        if options.parameter_device is None
+        else mirrored.CentralStorageStrategy(devices, options.parameter_device)
+    )
+    with strategy:
         mirrored_model, optimizer = strategy.mirror(model, adamw(model))
         scheduler = options.schedule(optimizer) if options.schedule else None
         mirrored_model.train()

@@ -115,6 +115,19 @@ def test_a_schedule_stepped_inside_the_replica_function():
     )
 
 
+@pytest.mark.parametrize("parameter_device", ["cpu:0", "cpu:3"])
+def test_central_storage_with_a_schedule_and_clipping(parameter_device):
+    """The update on the parameter device (a replica's, or one apart) with the Transformers
+    schedule and the Trainer's clipping."""
+    _assert_equals_the_plain_loop(
+        LoopOptions(
+            schedule=_warmup_then_linear_decay,
+            max_grad_norm=0.5,
+            parameter_device=parameter_device,
+        )
+    )
+
+
 def test_gradient_clipping_by_the_global_norm_inside_the_replica_function():
     """run_mlm_no_trainer.py and the Trainer's max_grad_norm clip between backward and step."""
     _assert_equals_the_plain_loop(LoopOptions(max_grad_norm=0.5))
