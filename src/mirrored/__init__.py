@@ -125,6 +125,7 @@ __all__ = [
     "compute_average_loss",
     "compute_weighted_average_loss",
     "config",
+    "function",
     "get_replica_context",
     "get_strategy",
     "has_strategy",
@@ -143,6 +144,8 @@ __all__ = [
 _ON_FIRST_USE = {
     "ClusterCoordinator": "mirrored.coordinator.cluster_coordinator",
     "ParameterServerStrategy": "mirrored.strategies.parameter_server",
+    # torch.fx's tracer costs a second to import: only a program that traces pays it.
+    "function": "mirrored.tracing.function",
 }
 
 

@@ -28,11 +28,13 @@ from typing import Any
 
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase
+from torch.utils._python_dispatch import TorchDispatchMode  # a mode that sees every ATen op
 
 __all__ = [
     "BatchNormBase",
     "PRIVATE_SAMPLERS",
     "TESTED_TORCH",
+    "TorchDispatchMode",
     "amp_unscale_and_check_",
     "aten_takes_generator",
     "body_without_torch_function_check",
@@ -40,9 +42,13 @@ __all__ = [
     "code_of",
     "disable_torch_function",
     "foreach_mul_",
+    "is_fake",
     "is_functorch_wrapped",
+    "key_path_name",
     "mark_step_called",
+    "outside_dispatch_modes",
     "outside_functorch",
+    "overload_packet",
     "parameter_names",
     "parameter_hooks",
     "run_hooks_last",
@@ -52,6 +58,9 @@ __all__ = [
     "required",
     "safe_softmax",
     "share_step_hooks",
+    "tree_flatten",
+    "tree_flatten_with_path",
+    "tree_unflatten",
     "unrecognised_checkpoint",
     "unrecognised_clipping",
     "untested_torch",
@@ -407,3 +416,59 @@ def replace_gradient_readers(
     grouping = module._group_tensors_by_device_and_dtype
     replace(module, "_group_tensors_by_device_and_dtype", wrap(grouping, lambda lists: lists[0]))
     replace(module, "_clip_grads_with_norm_", wrap(module._clip_grads_with_norm_, lambda p: p))
+
+
+# -- traced steps (mirrored.tracing) -----------------------------------------------------------
+def is_fake(tensor: Any) -> bool:
+    """A fake tensor (shapes and dtypes, no data): what a step being traced computes with."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(tensor, FakeTensor)
+
+
+def overload_packet(target: Any) -> Any:
+    """An ATen op overload's packet (``aten.add.Tensor`` -> ``aten.add``), which TorchScript
+    resolves by its arguments' types; any other target as it is."""
+    from torch._ops import OpOverload
+
+    return target.overloadpacket if isinstance(target, OpOverload) else target
+
+
+def tree_flatten_with_path(tree: Any) -> tuple[list[tuple[Any, Any]], Any]:
+    """torch's pytree flattening of ``tree`` with each leaf's path, and the tree's spec."""
+    from torch.utils import _pytree
+
+    return _pytree.tree_flatten_with_path(tree)
+
+
+def tree_flatten(tree: Any) -> tuple[list[Any], Any]:
+    from torch.utils import _pytree
+
+    return _pytree.tree_flatten(tree)
+
+
+def tree_unflatten(leaves: list[Any], spec: Any) -> Any:
+    from torch.utils import _pytree
+
+    return _pytree.tree_unflatten(leaves, spec)
+
+
+def key_path_name(path: Any) -> str:
+    """A pytree leaf's path as Python would index it (``[0]['x']``)."""
+    from torch.utils import _pytree
+
+    return _pytree.keystr(path)
+
+
+def outside_dispatch_modes() -> AbstractContextManager[Any]:
+    """Real tensors and real kernels inside a step being traced: neither the tracer's mode nor
+    fake tensors' while the block runs."""
+    from contextlib import ExitStack
+
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    stack = ExitStack()
+    stack.enter_context(disable_proxy_modes_tracing())
+    stack.enter_context(unset_fake_temporarily())
+    return stack

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from mirrored.core.strategy import Strategy, scoped_strategy
+from mirrored.core.trace_recording import refuse_while_recording
 from mirrored.core.values import ReduceOp, flatten, map_structure, regroup, select_replica
 
 if TYPE_CHECKING:
@@ -103,6 +104,7 @@ class ReplicaContext:
     def all_reduce(self, reduce_op: ReduceOp | str, value: Any) -> Any:
         """Reduce a nested structure of tensors (or numbers) across replicas; every replica
         receives the result on its own device. Not differentiable: the result is detached."""
+        refuse_while_recording("a replica context's all_reduce inside the step")
         op = ReduceOp.of(reduce_op)
         leaves = flatten(value)
         tensors = [torch.as_tensor(v, device=self.device).detach() for v in leaves]
@@ -116,6 +118,7 @@ class ReplicaContext:
     def all_gather(self, value: Any, axis: int) -> Any:
         """Concatenate each tensor of a nested structure along ``axis`` across replicas,
         in replica order; shards may differ in size along ``axis``. Detached."""
+        refuse_while_recording("a replica context's all_gather inside the step")
         leaves = [torch.as_tensor(v).detach() for v in flatten(value)]
         it = iter(self.strategy.all_gather_tensors(self, leaves, axis))
         return map_structure(lambda _: next(it), value)
@@ -129,6 +132,7 @@ class ReplicaContext:
         """Run ``merge_fn(strategy, *args, **kwargs)`` once, in cross-replica context, with the
         arguments of all replicas grouped into PerReplica values; each replica gets the result
         (its own part, where the result is PerReplica)."""
+        refuse_while_recording("merge_call inside the step")
         label = f"merge_call({getattr(merge_fn, '__qualname__', repr(merge_fn))})"
         everyone = self.exchange.all(label, (args, kwargs or {}))
         result = None

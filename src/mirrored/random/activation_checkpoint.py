@@ -11,9 +11,11 @@ the replay here puts those streams back where they were at the forward instead. 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol
+
+import torch
 
 from mirrored.random import rng_state
 
@@ -22,11 +24,16 @@ __all__ = ["ReplicaStreams", "activation_checkpoint_contexts", "entered_streams"
 
 class ReplicaStreams(Protocol):
     """A replica's random streams (its ``ReplicaRandomness`` mode): where they are, and a way
-    back there."""
+    back there; which devices a step drew on, and their generators readied for a traced step's
+    replay."""
 
     def position(self) -> Any: ...
 
     def restore(self, position: Any) -> None: ...
+
+    def drawn_devices(self) -> tuple[torch.device, ...]: ...
+
+    def prepare(self, devices: Sequence[torch.device]) -> None: ...
 
     def __enter__(self) -> Any: ...
 

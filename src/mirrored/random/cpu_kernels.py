@@ -15,16 +15,17 @@ from typing import Any
 
 import torch
 
-from mirrored._torch_internals import is_functorch_wrapped, safe_softmax
+from mirrored._torch_internals import is_fake, is_functorch_wrapped, safe_softmax
 
 __all__ = ["cpu_attention", "cpu_dropout", "is_plain", "math_attention_fits"]
 
 
 def is_plain(tensor: Any) -> bool:
     """A dense tensor of torch's own type: not nested, sparse, a subclass, or a tensor that
-    ``vmap`` or ``grad`` wrapped (their random ops follow rules of their own: torch's kernels)."""
+    ``vmap`` or ``grad`` wrapped (their random ops follow rules of their own: torch's kernels).
+    A fake tensor is plain: a traced step records the ops its real tensor would run."""
     return (
-        type(tensor) in (torch.Tensor, torch.nn.Parameter)
+        (type(tensor) in (torch.Tensor, torch.nn.Parameter) or is_fake(tensor))
         and tensor.layout == torch.strided
         and not tensor.is_nested
         and not is_functorch_wrapped(tensor)
@@ -64,8 +65,11 @@ def cpu_dropout(
     as fast as ATen's ``bernoulli_`` (serial mt19937 either way)."""
     shape = (input.size(0), input.size(1)) + (1,) * (input.dim() - 2) if feature else input.shape
     numel = math.prod(shape)
-    words = torch.empty((numel + 1) // 2, dtype=torch.int64, device=input.device)
-    words.random_(-(2**63), None, generator=generator)  # the full 64-bit range
+    # Nearly the full 64-bit range (all but one value), through an op a trace can record
+    # (torch.fx cannot write ``random_.from``: ``from`` is a Python keyword).
+    words = torch.randint(
+        -(2**63), 2**63 - 1, ((numel + 1) // 2,), generator=generator, device=input.device
+    )
     uniform = words.view(torch.int32)[:numel].view(shape)
     keep = min(max(round((1 - p) * 2**32), 1), 2**32 - 1)
     noise = (uniform < keep - 2**31).to(input.dtype).mul_(2**32 / keep)

@@ -43,6 +43,7 @@ from mirrored._torch_internals import (
     aten_takes_generator,
     body_without_torch_function_check,
 )
+from mirrored.core.trace_recording import refuse_while_recording
 from mirrored.random.activation_checkpoint import entered_streams, replica_replay
 from mirrored.random.cpu_kernels import cpu_attention, cpu_dropout, is_plain, math_attention_fits
 from mirrored.random.step_seeds import StepSeed, global_generators_lock
@@ -193,7 +194,10 @@ class ReplicaRandomness(TorchFunctionMode):
         # strategy checks the loss's scaling and counts the passes there.
         self.on_backward = on_backward
         self._step_seed = StepSeed()
+        # This step's generator per device: one object per device for the replica's life,
+        # reseeded each step, so that a traced step (which holds them) draws this step's stream.
         self._generators: dict[torch.device, torch.Generator] = {}
+        self._streams: dict[torch.device, torch.Generator] = {}
         self._running_bodies: set[Callable[..., Any]] = set()
         self._autograd_passes = 0  # running now, started from this replica
         self._swapping = False  # this replica's states are in the global generators now
@@ -229,9 +233,25 @@ class ReplicaRandomness(TorchFunctionMode):
         step_seed, states = position
         generators = {}
         for device, state in states.items():
-            generators[device] = torch.Generator(device=device)
+            generators[device] = self._stream(device)
             generators[device].set_state(state)
         self._step_seed, self._generators = step_seed, generators
+
+    def drawn_devices(self) -> tuple[torch.device, ...]:
+        """The devices this step has drawn on so far."""
+        return tuple(self._generators)
+
+    def prepare(self, devices: Sequence[torch.device]) -> None:
+        """Seed this step's generators on ``devices`` now: a traced step replays draws from
+        them without asking for them first."""
+        for device in devices:
+            self._generator(device)
+
+    def _stream(self, device: torch.device) -> torch.Generator:
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.Generator(device=device)
+        return stream
 
     def _generator(self, device: torch.device) -> torch.Generator:
         """This step's generator of this replica on ``device`` (each device a stream of its
@@ -242,7 +262,7 @@ class ReplicaRandomness(TorchFunctionMode):
             where = (0,) if device.type == "cpu" else (1, device.index or 0)
             words = np.random.SeedSequence([step_seed, self.replica_id], spawn_key=where)
             seed = int(words.generate_state(1, np.uint64)[0])
-            generator = torch.Generator(device=device).manual_seed(seed)
+            generator = self._stream(device).manual_seed(seed)
             self._generators[device] = generator
         return generator
 
@@ -388,6 +408,10 @@ class ReplicaRandomness(TorchFunctionMode):
         runs as it is: the states are already swapped in, and the lock is this swap's own."""
         if self._swapping:
             return func(*args, **kwargs)
+        refuse_while_recording(
+            f"{getattr(func, '__name__', func)} draws from torch's global generator (swapped "
+            "for the replica's), which a trace cannot replay"
+        )
         device = _device_of(args, kwargs)
         cpu = self._generator(torch.device("cpu"))
         gpu = self._generator(device) if device.type == "cuda" else None

@@ -15,7 +15,7 @@ import threading
 
 import torch
 
-from mirrored._torch_internals import outside_functorch
+from mirrored._torch_internals import outside_dispatch_modes, outside_functorch
 
 __all__ = ["StepSeed", "global_generators_lock"]
 
@@ -66,9 +66,10 @@ class StepSeed:
                 copy = torch.Generator()
                 copy.set_state(self._start)
                 pending = _seed_draws.claimed - self._taken_at_start  # other steps' seeds
-                with outside_functorch():  # a draw for the step, not for each vmap-ped example
+                # A draw for the step: not for each vmap-ped example, nor a traced step's fake.
+                with outside_functorch(), outside_dispatch_modes():
                     draws = torch.empty(pending + 1, dtype=torch.int64).random_(generator=copy)
-                self._seed = int(draws[-1])
+                    self._seed = int(draws[-1])
                 _seed_draws.claimed += 1
             return self._seed
 

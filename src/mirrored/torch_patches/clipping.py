@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from mirrored._torch_internals import replace_gradient_readers, unrecognised_clipping
+from mirrored.core.trace_recording import recording
 from mirrored.torch_patches.holders import Installation, Patch
 
 __all__ = ["CLIPPING", "Clipped", "install_clipping_routes"]
@@ -43,7 +44,10 @@ def install_clipping_routes(
     exports too); on a module that is not recognised, the public functions only, with a
     warning."""
     for name in ("clip_grad_norm_", "clip_grad_value_"):
-        wrapper = _calling_first(getattr(module, name), before, _as_list, installation)
+        wrapper = _recorded(
+            _calling_first(getattr(module, name), before, _as_list, installation),
+            returns_norm=name == "clip_grad_norm_",
+        )
         installation.replace(module, name, wrapper)
         installation.replace(package, name, wrapper)
     reason = unrecognised_clipping(module)
@@ -70,6 +74,29 @@ def _as_list(tensors: Any) -> list[torch.Tensor]:
     if isinstance(tensors, torch.Tensor):
         return [tensors]
     return [t for t in tensors if isinstance(t, torch.Tensor)]
+
+
+def _recorded(function: Callable[..., Any], returns_norm: bool) -> Callable[..., Any]:
+    """``function`` that, in a step being traced (:func:`mirrored.function`), is recorded to run
+    at each replay, on the gradients of that replay: the trace has none to clip."""
+
+    @functools.wraps(function)
+    def recorded(first: Any, *args: Any, **kwargs: Any) -> Any:
+        recorder = recording()
+        if recorder is None:
+            return function(first, *args, **kwargs)
+        params = _as_list(first if isinstance(first, (torch.Tensor, list, tuple)) else list(first))
+
+        def clip(_: list[torch.Tensor]) -> list[torch.Tensor]:
+            result = function(params, *args, **kwargs)
+            return [result] if returns_norm else []
+
+        where = (params[0].dtype, params[0].device) if params else (torch.float32, "cpu")
+        results = [((), *where)] if returns_norm else []
+        norm = recorder.host_call(clip, results=results)
+        return norm[0] if returns_norm else None
+
+    return recorded
 
 
 def _calling_first(

@@ -1,0 +1,1 @@
+"""Replica steps traced once and replayed (:func:`mirrored.function`)."""

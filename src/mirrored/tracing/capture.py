@@ -1,0 +1,305 @@
+"""Recording one replica's step as a graph of tensor ops, without running it.
+
+The step runs once under ``make_fx`` on fake tensors: no kernel runs and no state changes. Its
+tensor ops become the graph, with the parameters and buffers it reads held by reference (a
+replay reads their values then). What acts on real state becomes a host call
+(:mod:`mirrored.core.trace_recording`): ``loss.backward()`` is recorded as the gradients'
+computation in the graph followed by a host call that hands them to autograd's accumulation
+(so ``.grad``, gradient hooks and the gradient reducer see what eager backward gives them);
+mirrored optimizers' ``step()`` and ``zero_grad()`` and gradient clipping record themselves.
+
+What a trace cannot replay exactly raises :class:`TraceUnsupported`: a value read on the host
+(``.item()``, a branch on a tensor), ``.grad`` read or set outside those calls (a torch
+optimizer's ``step()``, clipping or unscaling by hand: each replica's parameters carry stand-in
+gradients while the trace records, and a graph that reads one, or a step that replaces one, is
+refused), a collective, a random op that only
+torch's global generator can serve, a second derivative.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import itertools
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.overrides import TorchFunctionMode
+
+from mirrored._torch_internals import (
+    TorchDispatchMode,
+    is_fake,
+    outside_dispatch_modes,
+    tree_flatten,
+    tree_unflatten,
+)
+from mirrored.core.context import current_replica_context
+from mirrored.core.trace_recording import HostCall, ResultSpec, TraceUnsupported, set_recording
+from mirrored.random.activation_checkpoint import entered_streams
+from mirrored.replication.global_batch_loss import check_loss_scaling
+from mirrored.tracing.host_op import HOST_CALL, fake_results
+
+__all__ = ["Capture", "CallInputs", "capture"]
+
+_keys = itertools.count()
+# torch.fx's tracer keeps global state: one trace at a time in the process (replicas trace at
+# once on their first call).
+_tracing = threading.Lock()
+
+
+@dataclasses.dataclass
+class CallInputs:
+    """The tensors of the call being replayed (host calls that accumulate into an input's
+    ``.grad`` find it here)."""
+
+    tensors: list[torch.Tensor] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class Capture:
+    """One replica's step as a graph: ``graph`` takes the call's tensors in order and returns
+    the step's tensor results; ``host_calls`` by key; the rest rebuilds the result."""
+
+    graph: fx.GraphModule
+    host_calls: dict[int, HostCall]
+    inputs: CallInputs
+    output_spec: Any  # torch pytree spec of the result
+    output_leaves: list[Any]  # None where a graph output goes, else the constant itself
+    drawn_devices: tuple[torch.device, ...]
+
+
+def _stand_in(param: torch.Tensor) -> torch.Tensor:
+    """A ``.grad`` for ``param`` while a trace records (uninitialised, a gradient's size for the
+    trace's moment, as the first backward would allocate): a graph that reads it used a
+    gradient outside the host calls."""
+    return torch.empty_like(param, memory_format=torch.preserve_format)
+
+
+_READS_GRAD = (
+    "the step uses .grad outside a mirrored optimizer (a torch optimizer's step, unscaling, "
+    "or clipping by hand); mirror the optimizer with strategy.mirror() and clip with "
+    "torch.nn.utils.clip_grad_norm_"
+)
+_SETS_GRAD = (
+    "the step sets .grad outside a mirrored optimizer (a torch optimizer's zero_grad(), or an "
+    "assignment); call zero_grad() on the mirrored optimizer or module"
+)
+
+
+def _check_gradients_untouched(
+    graph: fx.GraphModule, params: Sequence[torch.Tensor], stand_ins: Sequence[torch.Tensor]
+) -> None:
+    if any(p.grad is not s for p, s in zip(params, stand_ins, strict=True)):
+        raise TraceUnsupported(_SETS_GRAD)
+    held = {id(s) for s in stand_ins}
+    for node in graph.graph.nodes:
+        if node.op == "get_attr" and id(getattr(graph, node.target, None)) in held:
+            raise TraceUnsupported(_READS_GRAD)
+
+
+class _Recorder(TorchFunctionMode):
+    """Records host calls, and ``backward()`` as gradients plus a host call."""
+
+    def __init__(self, inputs: CallInputs) -> None:
+        super().__init__()
+        self.host_calls: dict[int, HostCall] = {}
+        self.fake_inputs: dict[int, int] = {}  # id of a traced input -> its position
+        self.inputs = inputs
+
+    def host_call(
+        self,
+        run: HostCall,
+        tensors: Sequence[torch.Tensor] = (),
+        results: Sequence[ResultSpec] = (),
+    ) -> list[torch.Tensor]:
+        key = next(_keys)
+        self.host_calls[key] = run
+        fake_results(key, list(results))
+        return list(HOST_CALL(key, list(tensors)))
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.Tensor.backward or func is torch.autograd.backward:
+            given = inspect.signature(func).bind(*args, **kwargs).arguments
+            self._backward(
+                given.get("self", given.get("tensors")),
+                given.get("gradient", given.get("grad_tensors")),
+                given.get("retain_graph"),
+                bool(given.get("create_graph", False)),
+                given.get("inputs"),
+            )
+            return None
+        return func(*args, **kwargs)
+
+    def _backward(
+        self,
+        roots: Any,
+        gradient: Any,
+        retain_graph: bool | None,
+        create_graph: bool,
+        inputs: Any,
+    ) -> None:
+        if create_graph:
+            raise TraceUnsupported("backward(create_graph=True) takes a second derivative")
+        roots = (roots,) if isinstance(roots, torch.Tensor) else tuple(roots)
+        if gradient is not None:
+            gradient = (gradient,) if isinstance(gradient, torch.Tensor) else tuple(gradient)
+        replica = current_replica_context()
+        if replica is not None and entered_streams():
+            check_loss_scaling(roots, replica)  # as eager backward does with several replicas
+        if inputs is None:
+            leaves = _leaves_of(roots)
+        else:
+            leaves = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
+        grads = torch.autograd.grad(
+            roots, leaves, gradient, retain_graph=retain_graph, allow_unused=True
+        )
+        used = [(leaf, grad) for leaf, grad in zip(leaves, grads, strict=True) if grad is not None]
+        targets = [self._target(leaf) for leaf, _ in used]
+        call_inputs = self.inputs
+
+        def accumulate(tensors: list[torch.Tensor]) -> None:
+            leaves_now = [call_inputs.tensors[t] if isinstance(t, int) else t for t in targets]
+            torch.autograd.backward(leaves_now, tensors)
+
+        self.host_call(accumulate, [grad for _, grad in used])
+
+    def _target(self, leaf: torch.Tensor) -> torch.Tensor | int:
+        """Where a leaf's gradient goes at replay: an input's position, or the tensor itself."""
+        position = self.fake_inputs.get(id(leaf))
+        if position is not None:
+            return position
+        if is_fake(leaf):
+            raise TraceUnsupported(
+                "backward() accumulates into a tensor made inside the step (requires_grad=True "
+                "on a new tensor); make it outside the step, or use torch.autograd.grad"
+            )
+        return leaf
+
+
+def _leaves_of(roots: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The leaf tensors ``backward()`` from ``roots`` accumulates into, in a fixed order."""
+    leaves: list[torch.Tensor] = []
+    seen: set[int] = set()
+    stack = [root.grad_fn for root in reversed(roots)]
+    for root in roots:
+        if root.grad_fn is None and root.requires_grad:
+            leaves.append(root)
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, torch.Tensor):
+            leaves.append(variable)
+        stack.extend(next_node for next_node, _ in reversed(node.next_functions))
+    return leaves
+
+
+def capture(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    params: Sequence[nn.Parameter],
+) -> Capture:
+    """Trace ``fn(*args, **kwargs)`` on this thread; ``params``: the replica's parameters,
+    whose ``.grad`` only host calls may use. Raises :class:`TraceUnsupported` (or the step's
+    own error) without having changed any state."""
+    flat, spec = tree_flatten((args, kwargs))
+    positions = [i for i, leaf in enumerate(flat) if isinstance(leaf, torch.Tensor)]
+    inputs = CallInputs()
+    recorder = _Recorder(inputs)
+    writes = _RealWritesUndone()
+    outputs: dict[str, Any] = {}
+
+    def flat_fn(*tensors: torch.Tensor) -> list[torch.Tensor]:
+        recorder.fake_inputs = {id(t): i for i, t in enumerate(tensors)}
+        leaves = list(flat)
+        for position, tensor in zip(positions, tensors, strict=True):
+            leaves[position] = tensor
+        call_args, call_kwargs = tree_unflatten(leaves, spec)
+        with recorder, writes:
+            result = fn(*call_args, **call_kwargs)
+        out_leaves, outputs["spec"] = tree_flatten(result)
+        outputs["leaves"] = [None if isinstance(o, torch.Tensor) else o for o in out_leaves]
+        return [o for o in out_leaves if isinstance(o, torch.Tensor)]
+
+    with _tracing:
+        try:
+            graph = _trace_under_stand_ins(flat_fn, [flat[i] for i in positions], recorder, params)
+        finally:
+            writes.undo()
+    streams = entered_streams()
+    return Capture(
+        graph=graph,
+        host_calls=recorder.host_calls,
+        inputs=inputs,
+        output_spec=outputs["spec"],
+        output_leaves=outputs["leaves"],
+        drawn_devices=streams[-1].drawn_devices() if streams else (),
+    )
+
+
+class _RealWritesUndone(TorchDispatchMode):
+    """Fake tensors run an op for real when none of its tensors is fake: an in-place op on
+    tensors the step holds from outside (a parameter edited by hand, an EMA, a batch norm's
+    ``num_batches_tracked``) would change them while tracing, and again at each replay. This
+    keeps a copy of each real tensor an op writes, for :meth:`undo` to put back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        schema = func._schema
+        if schema.is_mutable:
+            for position, argument in enumerate(schema.arguments):
+                if argument.alias_info is None or not argument.alias_info.is_write:
+                    continue
+                value = args[position] if position < len(args) else kwargs.get(argument.name)
+                for tensor in value if isinstance(value, (list, tuple)) else [value]:
+                    self._keep(tensor)
+        return func(*args, **kwargs)
+
+    def _keep(self, tensor: Any) -> None:
+        if (
+            isinstance(tensor, torch.Tensor)
+            and not is_fake(tensor)
+            and id(tensor) not in self._saved
+        ):
+            with outside_dispatch_modes():
+                self._saved[id(tensor)] = (tensor, tensor.detach().clone())
+
+    def undo(self) -> None:
+        with torch.no_grad():
+            for tensor, value in self._saved.values():
+                if not torch.equal(tensor, value):
+                    tensor.copy_(value)
+        self._saved.clear()
+
+
+def _trace_under_stand_ins(
+    flat_fn: Callable[..., Any],
+    tensors: list[torch.Tensor],
+    recorder: _Recorder,
+    params: Sequence[nn.Parameter],
+) -> fx.GraphModule:
+    saved = [(p, p.grad) for p in params]
+    stand_ins = [_stand_in(p) for p in params]
+    previous = set_recording(recorder)
+    try:
+        for p, stand_in in zip(params, stand_ins, strict=True):
+            p.grad = stand_in
+        graph = make_fx(flat_fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*tensors)
+        _check_gradients_untouched(graph, params, stand_ins)
+        return graph
+    finally:
+        set_recording(previous)
+        for p, grad in saved:
+            p.grad = grad

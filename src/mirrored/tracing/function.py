@@ -1,0 +1,226 @@
+"""``@mirrored.function``: a replica step traced once per replica and input signature, then
+replayed, TensorFlow's ``tf.function`` for ``strategy.run``.
+
+Replicas are threads of one process; eagerly, every op of every replica runs its Python (the
+module's call, dispatch, autograd's recording, the replicas' random-stream mode) under one GIL.
+A traced step runs those once, while tracing; a replay runs the recorded ops without them, in
+TorchScript's interpreter, which releases the GIL, so replicas replay at once
+(:mod:`mirrored.tracing.replay`).
+
+What a signature is: the structure of the arguments, each tensor's shape, dtype, device and
+``requires_grad``, every other argument's value; and, for the replica's mirrored modules, each
+submodule's ``training`` flag, each parameter's ``requires_grad`` and which tensors the
+modules hold. A new signature traces again (a ragged last batch is one); past
+:data:`RETRACE_WARNING` traces of one replica a warning names the argument that keeps changing.
+
+As with ``tf.function``, Python in the step runs while it traces, not at replays: a Python
+value the step reads from outside (a global, a counter, an attribute that is not a tensor) is
+the one it had then; pass it as an argument, where each new value traces again. Tensor ops on
+anything the step reads (parameters, buffers, tensors held outside) read their values at each
+replay. What a trace cannot replay exactly (:mod:`mirrored.tracing.capture`) runs as written,
+with one warning naming the reason; it is never replayed stale.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+import weakref
+from collections.abc import Callable, Hashable
+from typing import Any, TypeVar, overload
+
+import torch
+from torch import nn
+
+from mirrored._torch_internals import key_path_name, tree_flatten_with_path
+from mirrored.core.context import current_replica_context
+from mirrored.core.trace_recording import TraceUnsupported
+from mirrored.core.user_frames import user_stacklevel
+from mirrored.random.activation_checkpoint import entered_streams
+from mirrored.tracing.capture import capture
+from mirrored.tracing.replay import Replay
+
+__all__ = ["RETRACE_WARNING", "TracedFunction", "function"]
+
+RETRACE_WARNING = 5  # traces of one replica before a warning, as tf.function's
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class _Eager:
+    """A signature that runs as written, and why."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+class _Replica:
+    """One replica's traces of a function."""
+
+    def __init__(self) -> None:
+        self.traces: dict[Hashable, Replay | _Eager] = {}
+        self.last: list[tuple[str, Hashable]] | None = None
+        self.warned_retrace = False
+
+
+class TracedFunction:
+    """A replica step that traces once per replica and signature and replays after; call it
+    where ``fn`` is called (inside ``strategy.run``). Outside a replica of a strategy that
+    mirrors modules (``MirroredStrategy`` and the strategies built on it), it runs ``fn``."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.python_function = fn
+        self._name: str = getattr(fn, "__qualname__", repr(fn))
+        functools.update_wrapper(self, fn)
+        self._replicas: weakref.WeakKeyDictionary[Any, dict[int, _Replica]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._warned: set[str] = set()
+        self._tracing_count = 0
+
+    def experimental_get_tracing_count(self) -> int:
+        """How many times the step has been traced, over all replicas (``tf.function``'s)."""
+        return self._tracing_count
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        replica = current_replica_context()
+        strategy = None if replica is None else replica.strategy
+        modules_of = getattr(strategy, "replica_modules", None)
+        if replica is None or modules_of is None:
+            return self.python_function(*args, **kwargs)
+        local_id = replica.local_replica_id
+        modules = modules_of(local_id)
+        replicas = self._replicas.setdefault(strategy, {})
+        state = replicas.setdefault(local_id, _Replica())
+        described = _describe(args, kwargs, modules)
+        key = tuple(value for _, value in described)
+        trace = state.traces.get(key)
+        if trace is None:
+            trace = self._trace(state, described, args, kwargs, modules)
+            state.traces[key] = trace
+        if isinstance(trace, _Eager):
+            return self.python_function(*args, **kwargs)
+        tensors = [leaf for leaf in _flat(args, kwargs) if isinstance(leaf, torch.Tensor)]
+        return trace(tensors, _random_streams_ready(trace))
+
+    def _trace(
+        self,
+        state: _Replica,
+        described: list[tuple[str, Hashable]],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        modules: list[nn.Module],
+    ) -> Replay | _Eager:
+        self._tracing_count += 1
+        self._warn_retracing(state, described)
+        params = list({id(p): p for m in modules for p in m.parameters()}.values())
+        try:
+            return Replay(capture(self.python_function, args, kwargs, params))
+        except TraceUnsupported as unsupported:
+            return self._eager(unsupported.reason)
+        except Exception as error:  # the step's own error, or a value read on the host
+            return self._eager(f"{type(error).__name__}: {str(error).splitlines()[0]}")
+
+    def _eager(self, reason: str) -> _Eager:
+        if reason not in self._warned:
+            self._warned.add(reason)
+            warnings.warn(
+                f"mirrored.function({self._name}) runs as written: {reason}",
+                RuntimeWarning,
+                stacklevel=user_stacklevel(),
+            )
+        return _Eager(reason)
+
+    def _warn_retracing(self, state: _Replica, described: list[tuple[str, Hashable]]) -> None:
+        previous, state.last = state.last, described
+        if state.warned_retrace or len(state.traces) < RETRACE_WARNING or previous is None:
+            return
+        state.warned_retrace = True
+        changed = [
+            where for (where, new), (_, old) in zip(described, previous, strict=False) if new != old
+        ]
+        warnings.warn(
+            f"mirrored.function({self._name}) has traced {len(state.traces) + 1} times "
+            f"on one replica; {', '.join(changed[:3]) or 'the arguments'} keeps changing. "
+            "Pass tensors of fixed shapes (drop_remainder=True, padding), or Python values that "
+            "repeat: each new one traces again",
+            RuntimeWarning,
+            stacklevel=user_stacklevel(),
+        )
+
+
+def _flat(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    return [leaf for _, leaf in tree_flatten_with_path((args, kwargs))[0]]
+
+
+def _describe(
+    args: tuple[Any, ...], kwargs: dict[str, Any], modules: list[nn.Module]
+) -> list[tuple[str, Hashable]]:
+    """What a trace depends on, each part named: the arguments, grad mode, the modules."""
+    leaves, spec = tree_flatten_with_path((args, kwargs))
+    parts: list[tuple[str, Hashable]] = [("the arguments' structure", str(spec))]
+    for path, leaf in leaves:
+        name = "argument " + key_path_name(path[1:]) if path else "an argument"
+        if isinstance(leaf, torch.Tensor):
+            described: Hashable = (
+                tuple(leaf.shape),
+                leaf.dtype,
+                leaf.device,
+                leaf.requires_grad,
+                leaf.layout,
+            )
+        else:
+            try:
+                hash(leaf)
+                described = (type(leaf), leaf)
+            except TypeError:
+                described = (type(leaf), id(leaf))
+        parts.append((name, described))
+    parts.append(("grad mode", torch.is_grad_enabled()))
+    for module in modules:
+        submodules = list(module.modules())
+        parts.append(("a module's training flag", tuple(m.training for m in submodules)))
+        parts.append(
+            (
+                "the modules' tensors",
+                tuple(
+                    (id(t), t.requires_grad)
+                    for m in submodules
+                    for t in (*m._parameters.values(), *m._buffers.values())
+                    if t is not None
+                ),
+            )
+        )
+    return parts
+
+
+def _random_streams_ready(trace: Replay) -> Callable[[], None]:
+    streams = entered_streams()
+    devices = trace.drawn_devices
+    if not streams or not devices:
+        return _nothing
+    return functools.partial(streams[-1].prepare, devices)
+
+
+def _nothing() -> None:
+    return None
+
+
+@overload
+def function(fn: F) -> F: ...
+
+
+@overload
+def function(fn: None = None) -> Callable[[F], F]: ...
+
+
+def function(fn: Callable[..., Any] | None = None) -> Any:
+    """Trace a replica step once per replica and input signature and replay it after
+    (``tf.function``'s counterpart): ``@mirrored.function`` above the function given to
+    ``strategy.run``. See :mod:`mirrored.tracing.function` for what a trace keeps and
+    docs/guides/fast-steps.md for what traces and what runs as written."""
+    if fn is None:
+        return function
+    if not callable(fn):
+        raise TypeError(f"mirrored.function expects a function, got {type(fn).__name__}")
+    return TracedFunction(fn)

@@ -1,0 +1,421 @@
+"""``mirrored.function``: traced steps give the eager steps' parameters, retrace on a new
+signature, and run as written, with a warning naming why, whatever a trace cannot replay."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mirrored
+from mirrored.tracing.capture import capture
+from tests.reference_loops import assert_replicas_identical, assert_same_parameters
+
+pytestmark = pytest.mark.usefixtures("float64")
+
+DEVICES = ["cpu:0", "cpu:1", "cpu:2", "cpu:3"]
+Step = Callable[..., Any]
+
+
+def make_model(dropout: float = 0.0, batch_norm: bool = False) -> nn.Module:
+    torch.manual_seed(3)
+    layers: list[nn.Module] = [nn.Linear(6, 16), nn.ReLU()]
+    if batch_norm:
+        layers.append(nn.BatchNorm1d(16))
+    if dropout:
+        layers.append(nn.Dropout(dropout))
+    layers.append(nn.Linear(16, 4))
+    return nn.Sequential(*layers)
+
+
+def batches(
+    count: int = 4, size: int = 8, last: int | None = None
+) -> list[tuple[torch.Tensor, ...]]:
+    generator = torch.Generator().manual_seed(11)
+    sizes = [size] * count if last is None else [size] * (count - 1) + [last]
+    return [
+        (torch.randn(n, 6, generator=generator), torch.randint(0, 4, (n,), generator=generator))
+        for n in sizes
+    ]
+
+
+def standard_step(model: Any, optimizer: Any) -> Step:
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = mirrored.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    return step
+
+
+def train(
+    num_replicas: int,
+    traced: bool,
+    make_step: Callable[[Any, Any], Step] = standard_step,
+    model: nn.Module | None = None,
+    data: list[tuple[torch.Tensor, ...]] | None = None,
+    **strategy_options: Any,
+) -> tuple[mirrored.MirroredModule, list[float], Step]:
+    """The model after a custom loop over ``data``, each step's loss, and the step."""
+    torch.manual_seed(5)
+    strategy = mirrored.MirroredStrategy(DEVICES[:num_replicas], **strategy_options)
+    model = model if model is not None else make_model()
+    mirrored_model, optimizer = strategy.mirror(
+        model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    )
+    step = make_step(mirrored_model, optimizer)
+    if traced:
+        step = mirrored.function(step)
+    losses = []
+    for x, y in strategy.experimental_distribute_dataset(data if data is not None else batches()):
+        result = strategy.run(step, args=(x, y))
+        result = result[0] if isinstance(result, tuple) else result
+        losses.append(strategy.reduce("sum", result, axis=None).item())
+    return mirrored_model, losses, step
+
+
+def replays(step: Step) -> bool:
+    """The step traced on every call signature and never ran as written."""
+    return isinstance(step, mirrored.function(lambda: None).__class__) and not any(
+        type(trace).__name__ == "_Eager"
+        for replicas in step._replicas.values()
+        for state in replicas.values()
+        for trace in state.traces.values()
+    )
+
+
+@pytest.mark.parametrize("num_replicas", [1, 2, 4])
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_traced_steps_train_to_the_eager_steps_parameters(
+    num_replicas: int, dropout: float
+) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback would warn
+        traced, traced_losses, step = train(num_replicas, True, model=make_model(dropout))
+    eager, eager_losses, _ = train(num_replicas, False, model=make_model(dropout))
+    assert replays(step)
+    assert step.experimental_get_tracing_count() == num_replicas
+    assert_same_parameters(eager, traced)
+    torch.testing.assert_close(
+        torch.tensor(traced_losses), torch.tensor(eager_losses), rtol=1e-12, atol=0
+    )
+    assert_replicas_identical(traced)
+
+
+def test_replicas_dropout_is_reproducible_and_their_own() -> None:
+    first, first_losses, _ = train(2, True, model=make_model(0.5))
+    second, second_losses, _ = train(2, True, model=make_model(0.5))
+    assert first_losses == second_losses
+    for a, b in zip(first.parameters(), second.parameters(), strict=True):
+        assert torch.equal(a, b)
+    # Each replica draws its own mask: a step whose replicas return their dropped-out inputs.
+    strategy = mirrored.MirroredStrategy(DEVICES[:2])
+    layer = strategy.mirror(nn.Dropout(0.5))
+
+    @mirrored.function
+    def masks(x: torch.Tensor) -> torch.Tensor:
+        return layer(x)
+
+    ones = torch.ones(2, 64)
+    result = strategy.run(
+        masks, args=(strategy.experimental_distribute_values_from_function(lambda _: ones[:1]),)
+    )
+    parts = strategy.experimental_local_results(result)
+    assert not torch.equal(parts[0], parts[1])
+
+
+def test_a_ragged_last_batch_traces_again_and_trains_as_eager() -> None:
+    data = batches(count=3, size=8, last=6)
+    traced, _, step = train(2, True, data=data)
+    eager, _, _ = train(2, False, data=data)
+    assert step.experimental_get_tracing_count() == 4  # two signatures on two replicas
+    assert replays(step)
+    assert_same_parameters(eager, traced)
+
+
+def test_changing_shapes_warn_naming_the_argument() -> None:
+    strategy = mirrored.MirroredStrategy(DEVICES[:1])
+
+    @mirrored.function
+    def total(x: torch.Tensor, scale: float) -> torch.Tensor:
+        return x.sum() * scale
+
+    with pytest.warns(
+        RuntimeWarning, match=r"traced 6 times on one replica; argument \[0\] keeps changing"
+    ):
+        for n in range(1, 7):
+            strategy.run(total, args=(torch.ones(n), 2.0))
+    assert strategy.run(total, args=(torch.ones(3), 2.0)).item() == 6.0
+
+
+def test_a_python_argument_is_part_of_the_signature() -> None:
+    strategy = mirrored.MirroredStrategy(DEVICES[:1])
+
+    @mirrored.function
+    def scaled(x: torch.Tensor, scale: float) -> torch.Tensor:
+        return x * scale
+
+    assert strategy.run(scaled, args=(torch.ones(2), 2.0)).tolist() == [2.0, 2.0]
+    assert strategy.run(scaled, args=(torch.ones(2), 3.0)).tolist() == [3.0, 3.0]
+    assert scaled.experimental_get_tracing_count() == 2
+
+
+def test_a_changed_module_or_mode_traces_again() -> None:
+    strategy = mirrored.MirroredStrategy(DEVICES[:1])
+    model = strategy.mirror(nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.5)))
+
+    @mirrored.function
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return model(x)
+
+    x = torch.ones(2, 3)
+    strategy.run(forward, args=(x,))
+    model.eval()
+    assert torch.equal(strategy.run(forward, args=(x,)), model.module(x))  # no dropout now
+    model.module[0] = nn.Linear(3, 3).eval()  # new parameters, read instead of the old ones
+    assert torch.equal(strategy.run(forward, args=(x,)), model.module(x))
+    assert forward.experimental_get_tracing_count() == 3
+
+
+def test_edits_to_parameters_between_steps_are_read_at_replay() -> None:
+    strategy = mirrored.MirroredStrategy(DEVICES[:2])
+    model = strategy.mirror(nn.Linear(3, 1, bias=False))
+
+    @mirrored.function
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return model(x)
+
+    x = torch.ones(1, 3)
+    strategy.run(forward, args=(x,))
+    with torch.no_grad():
+        model.weight.fill_(2.0)  # outside run: carried to every replica
+    result = strategy.run(forward, args=(x,))
+    assert [r.item() for r in strategy.experimental_local_results(result)] == [6.0, 6.0]
+
+
+def clipped_step(model: Any, optimizer: Any) -> Step:
+    def step(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        loss = mirrored.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"))
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss, norm
+
+    return step
+
+
+def test_clipping_in_a_traced_step_clips_the_global_gradient() -> None:
+    traced, _, step = train(2, True, clipped_step)
+    eager, _, _ = train(2, False, clipped_step)
+    assert replays(step)
+    assert_same_parameters(eager, traced)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"gradient_accumulation_steps": 2}, {"zero_stage": 1}, {"zero_stage": 2}],
+    ids=["accumulation", "zero1", "zero2"],
+)
+def test_update_features_hold_when_traced(options: dict[str, Any]) -> None:
+    traced, _, step = train(2, True, **options)
+    eager, _, _ = train(2, False, **options)
+    assert replays(step)
+    assert_same_parameters(eager, traced)
+
+
+def decay_by_hand_step(model: Any, optimizer: Any) -> Step:
+    counter = torch.zeros((), dtype=torch.int64)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = mirrored.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(0.9)  # reads and writes only tensors held outside the step
+        counter.add_(1)
+        return loss
+
+    step.counter = counter  # type: ignore[attr-defined]
+    return step
+
+
+def test_in_place_edits_of_outside_tensors_happen_once_per_step() -> None:
+    """A trace runs such an edit for real (no fake tensor in it): it is undone, so the replay
+    is the only one."""
+    traced, _, step = train(2, True, decay_by_hand_step)
+    eager, _, eager_step = train(2, False, decay_by_hand_step)
+    assert replays(step)
+    assert_same_parameters(eager, traced)
+    assert step.python_function.counter.item() == eager_step.counter.item() == 2 * 4
+
+
+def test_batch_norm_buffers_are_aggregated_as_eager() -> None:
+    traced, _, step = train(2, True, model=make_model(batch_norm=True))
+    eager, _, _ = train(2, False, model=make_model(batch_norm=True))
+    assert replays(step)
+    assert_same_parameters(eager, traced)  # running statistics included
+    assert_replicas_identical(traced)
+
+
+def item_step(model: Any, optimizer: Any) -> Step:
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = mirrored.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"))
+        if loss.item() > 100:  # a branch on a value: the host must see it
+            loss = loss * 0
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    return step
+
+
+def torch_optimizer_step(model: Any, optimizer: Any) -> Step:
+    torch_optimizers: dict[int, torch.optim.Optimizer] = {}
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        replica = mirrored.get_replica_context()
+        assert replica is not None
+        # Each replica's own torch optimizer, on its (summed) gradients.
+        torch_optimizer = torch_optimizers.setdefault(
+            replica.local_replica_id, torch.optim.SGD(model.parameters(), lr=0.1)
+        )
+        loss = mirrored.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"))
+        loss.backward()
+        torch_optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    return step
+
+
+def torch_zero_grad_step(model: Any, optimizer: Any) -> Step:
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for p in model.parameters():
+            p.grad = None
+        loss = mirrored.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"))
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    return step
+
+
+def hand_clipping_step(model: Any, optimizer: Any) -> Step:
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = mirrored.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"))
+        loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.grad.mul_(0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    return step
+
+
+def batch_size_all_reduce_step(model: Any, optimizer: Any) -> Step:
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        per_example = F.cross_entropy(model(x), y, reduction="none")
+        size = mirrored.get_replica_context().all_reduce("sum", x.shape[0])
+        loss = per_example.sum() / size
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    return step
+
+
+def second_derivative_step(model: Any, optimizer: Any) -> Step:
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = mirrored.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"))
+        loss.backward(create_graph=True)  # gradients that are functions of the parameters
+        optimizer.zero_grad()
+        return loss.detach()
+
+    return step
+
+
+@pytest.mark.parametrize(
+    ("make_step", "reason", "num_replicas"),
+    [
+        (item_step, "data-dependent|value out of a tracing tensor|Could not", 2),
+        (torch_optimizer_step, "uses .grad outside a mirrored optimizer", 2),
+        (torch_zero_grad_step, "sets .grad outside a mirrored optimizer", 2),
+        (hand_clipping_step, "uses .grad outside a mirrored optimizer", 2),
+        (batch_size_all_reduce_step, "all_reduce inside the step", 2),
+        # Summing gradients that carry a graph is refused eagerly from two replicas on.
+        (second_derivative_step, "create_graph=True", 1),
+    ],
+    ids=[
+        "item",
+        "torch-optimizer",
+        "torch-zero-grad",
+        "hand-clipping",
+        "all-reduce",
+        "create-graph",
+    ],
+)
+def test_what_cannot_be_traced_runs_as_written_with_one_warning(
+    make_step: Callable[[Any, Any], Step], reason: str, num_replicas: int
+) -> None:
+    with pytest.warns(RuntimeWarning, match=reason) as caught:
+        traced, traced_losses, step = train(num_replicas, True, make_step)
+    assert sum("runs as written" in str(w.message) for w in caught) == 1
+    eager, eager_losses, _ = train(num_replicas, False, make_step)
+    assert not replays(step)
+    assert_same_parameters(eager, traced)
+    assert traced_losses == eager_losses
+
+
+def test_outside_a_replica_the_function_runs_as_written() -> None:
+    calls = []
+
+    @mirrored.function
+    def count(x: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return x + 1
+
+    assert count(torch.zeros(1)).item() == 1.0
+    assert count(torch.zeros(1)).item() == 1.0
+    assert len(calls) == 2
+    assert count.experimental_get_tracing_count() == 0
+
+
+def test_a_trace_changes_no_state_before_it_replays() -> None:
+    """Tracing runs the step on fake tensors: nothing real moves until the replay."""
+    strategy = mirrored.MirroredStrategy(DEVICES[:1])
+    model = make_model()
+    before = [p.detach().clone() for p in model.parameters()]
+    mirrored_model, optimizer = strategy.mirror(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = batches(1)[0]
+
+    def step() -> torch.Tensor:
+        loss = F.cross_entropy(mirrored_model(x), y, reduction="sum")
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    captured = strategy.run(lambda: capture(step, (), {}, list(model.parameters())))
+    assert len(captured.host_calls) == 3  # backward's gradients, step(), zero_grad()
+    for a, b in zip(before, model.parameters(), strict=True):
+        assert torch.equal(a, b)
+        assert b.grad is None
+
+
+def test_not_a_function_is_refused() -> None:
+    with pytest.raises(TypeError, match="expects a function"):
+        mirrored.function(3)  # type: ignore[call-overload]
