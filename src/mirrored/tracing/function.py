@@ -32,7 +32,7 @@ from typing import Any, TypeVar, overload
 import torch
 from torch import nn
 
-from mirrored._torch_internals import key_path_name, tree_flatten_with_path
+from mirrored._torch_internals import key_path_name, tree_flatten, tree_flatten_with_path
 from mirrored.core.context import current_replica_context
 from mirrored.core.trace_recording import TraceUnsupported
 from mirrored.core.user_frames import user_stacklevel
@@ -59,8 +59,69 @@ class _Replica:
 
     def __init__(self) -> None:
         self.traces: dict[Hashable, Replay | _Eager] = {}
-        self.last: list[tuple[str, Hashable]] | None = None
+        self.last: _Signature | None = None
         self.warned_retrace = False
+
+
+class _Signature:
+    """What a trace depends on: ``key`` to look it up, and what changed since another."""
+
+    def __init__(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], modules: list[nn.Module]
+    ) -> None:
+        leaves, spec = tree_flatten((args, kwargs))
+        self.leaves = leaves
+        self._given = (args, kwargs)
+        self.parts: tuple[Hashable, ...] = (
+            spec,
+            tuple(_leaf_key(leaf) for leaf in leaves),
+            torch.is_grad_enabled(),
+            tuple(_module_key(module) for module in modules),
+        )
+        self.key = hash(self.parts), self.parts
+
+    def changes_since(self, other: _Signature) -> list[str]:
+        """The parts that differ from ``other``'s, named for a warning."""
+        spec, leaves, grad_mode, modules = self.parts
+        old_spec, old_leaves, old_grad_mode, old_modules = other.parts
+        if spec != old_spec:
+            return ["the arguments' structure"]
+        paths = [path for path, _ in tree_flatten_with_path(self._given)[0]]
+        assert isinstance(leaves, tuple) and isinstance(old_leaves, tuple)
+        changed = [
+            "argument " + key_path_name(path[1:])
+            for path, new, old in zip(paths, leaves, old_leaves, strict=True)
+            if new != old
+        ]
+        if grad_mode != old_grad_mode:
+            changed.append("grad mode")
+        if modules != old_modules:
+            changed.append("the mirrored modules (their training flags, tensors or requires_grad)")
+        return changed
+
+
+def _leaf_key(leaf: Any) -> Hashable:
+    if isinstance(leaf, torch.Tensor):
+        return (leaf.shape, leaf.dtype, leaf.device, leaf.requires_grad, leaf.layout)
+    try:
+        hash(leaf)
+    except TypeError:
+        return (type(leaf), id(leaf))
+    return (type(leaf), leaf)
+
+
+def _module_key(module: nn.Module) -> Hashable:
+    """The submodules' training flags, and which tensors they hold with ``requires_grad``."""
+    submodules = list(module.modules())
+    return (
+        tuple(m.training for m in submodules),
+        tuple(
+            (id(t), t.requires_grad)
+            for m in submodules
+            for t in (*m._parameters.values(), *m._buffers.values())
+            if t is not None
+        ),
+    )
 
 
 class TracedFunction:
@@ -92,27 +153,26 @@ class TracedFunction:
         modules = modules_of(local_id)
         replicas = self._replicas.setdefault(strategy, {})
         state = replicas.setdefault(local_id, _Replica())
-        described = _describe(args, kwargs, modules)
-        key = tuple(value for _, value in described)
-        trace = state.traces.get(key)
+        signature = _Signature(args, kwargs, modules)
+        trace = state.traces.get(signature.key)
         if trace is None:
-            trace = self._trace(state, described, args, kwargs, modules)
-            state.traces[key] = trace
+            trace = self._trace(state, signature, args, kwargs, modules)
+            state.traces[signature.key] = trace
         if isinstance(trace, _Eager):
             return self.python_function(*args, **kwargs)
-        tensors = [leaf for leaf in _flat(args, kwargs) if isinstance(leaf, torch.Tensor)]
+        tensors = [leaf for leaf in signature.leaves if isinstance(leaf, torch.Tensor)]
         return trace(tensors, _random_streams_ready(trace))
 
     def _trace(
         self,
         state: _Replica,
-        described: list[tuple[str, Hashable]],
+        signature: _Signature,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         modules: list[nn.Module],
     ) -> Replay | _Eager:
         self._tracing_count += 1
-        self._warn_retracing(state, described)
+        self._warn_retracing(state, signature)
         params = list({id(p): p for m in modules for p in m.parameters()}.values())
         try:
             return Replay(capture(self.python_function, args, kwargs, params))
@@ -131,14 +191,12 @@ class TracedFunction:
             )
         return _Eager(reason)
 
-    def _warn_retracing(self, state: _Replica, described: list[tuple[str, Hashable]]) -> None:
-        previous, state.last = state.last, described
+    def _warn_retracing(self, state: _Replica, signature: _Signature) -> None:
+        previous, state.last = state.last, signature
         if state.warned_retrace or len(state.traces) < RETRACE_WARNING or previous is None:
             return
         state.warned_retrace = True
-        changed = [
-            where for (where, new), (_, old) in zip(described, previous, strict=False) if new != old
-        ]
+        changed = signature.changes_since(previous)
         warnings.warn(
             f"mirrored.function({self._name}) has traced {len(state.traces) + 1} times "
             f"on one replica; {', '.join(changed[:3]) or 'the arguments'} keeps changing. "
@@ -147,51 +205,6 @@ class TracedFunction:
             RuntimeWarning,
             stacklevel=user_stacklevel(),
         )
-
-
-def _flat(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
-    return [leaf for _, leaf in tree_flatten_with_path((args, kwargs))[0]]
-
-
-def _describe(
-    args: tuple[Any, ...], kwargs: dict[str, Any], modules: list[nn.Module]
-) -> list[tuple[str, Hashable]]:
-    """What a trace depends on, each part named: the arguments, grad mode, the modules."""
-    leaves, spec = tree_flatten_with_path((args, kwargs))
-    parts: list[tuple[str, Hashable]] = [("the arguments' structure", str(spec))]
-    for path, leaf in leaves:
-        name = "argument " + key_path_name(path[1:]) if path else "an argument"
-        if isinstance(leaf, torch.Tensor):
-            described: Hashable = (
-                tuple(leaf.shape),
-                leaf.dtype,
-                leaf.device,
-                leaf.requires_grad,
-                leaf.layout,
-            )
-        else:
-            try:
-                hash(leaf)
-                described = (type(leaf), leaf)
-            except TypeError:
-                described = (type(leaf), id(leaf))
-        parts.append((name, described))
-    parts.append(("grad mode", torch.is_grad_enabled()))
-    for module in modules:
-        submodules = list(module.modules())
-        parts.append(("a module's training flag", tuple(m.training for m in submodules)))
-        parts.append(
-            (
-                "the modules' tensors",
-                tuple(
-                    (id(t), t.requires_grad)
-                    for m in submodules
-                    for t in (*m._parameters.values(), *m._buffers.values())
-                    if t is not None
-                ),
-            )
-        )
-    return parts
 
 
 def _random_streams_ready(trace: Replay) -> Callable[[], None]:

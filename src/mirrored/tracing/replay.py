@@ -29,11 +29,10 @@ from mirrored.tracing.host_op import HOST_CALL
 __all__ = ["Replay"]
 
 
-class _HostPiece(nn.Module):
+class _HostPiece:
     """A piece of the cut graph that is one host call: called directly."""
 
     def __init__(self, piece: fx.GraphModule, run: HostCall) -> None:
-        super().__init__()
         nodes = list(piece.graph.nodes)
         self._placeholders = [n for n in nodes if n.op == "placeholder"]
         call = next(n for n in nodes if n.target is HOST_CALL)
@@ -44,7 +43,7 @@ class _HostPiece(nn.Module):
         self._indices = [n.args[1] for n in picks]
         self._run = run
 
-    def forward(self, *values: Any) -> Any:
+    def __call__(self, *values: Any) -> Any:
         given = dict(zip(self._placeholders, values, strict=True))
         tensors = [given[a] if isinstance(a, fx.Node) else a for a in self._tensor_args]
         out = list(self._run(tensors) or ())
@@ -108,15 +107,23 @@ class Replay:
     def __init__(self, capture: Capture) -> None:
         self._capture = capture
         cut = _cut(capture.graph)
+        scripted = False
         for name, piece in list(cut.named_children()):
             assert isinstance(piece, fx.GraphModule)
             host = next((n for n in piece.graph.nodes if n.target is HOST_CALL), None)
+            run: Callable[..., Any]
             if host is not None:
-                setattr(cut, name, _HostPiece(piece, capture.host_calls[host.args[0]]))
+                run = _HostPiece(piece, capture.host_calls[host.args[0]])
             else:
-                setattr(cut, name, _scripted(piece))
-        self._run: Callable[..., Any] = cut
-        self.scripted = any(isinstance(p, torch.jit.ScriptModule) for p in cut.children())
+                ready = _scripted(piece)
+                scripted = scripted or isinstance(ready, torch.jit.ScriptModule)
+                run = ready.forward  # no module call around it: the glue calls it each step
+            # The glue's code reads ``self.<name>``: an attribute, not a submodule, now.
+            del cut._modules[name]
+            object.__setattr__(cut, name, run)
+        self._cut = cut
+        self.scripted = scripted
+        """Whether TorchScript runs any piece (else the graph's Python code runs them all)."""
 
     @property
     def drawn_devices(self) -> tuple[torch.device, ...]:
@@ -130,7 +137,7 @@ class Replay:
         capture.inputs.tensors = tensors
         try:
             with torch.no_grad():
-                results = self._run(*tensors)
+                results = self._cut.forward(*tensors)
         finally:
             capture.inputs.tensors = []
         if isinstance(results, torch.Tensor):
