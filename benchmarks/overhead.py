@@ -33,10 +33,12 @@ import queue
 import socket
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -47,6 +49,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 import mirrored
 from mirrored import config
+
+if TYPE_CHECKING:  # mirrored.function's type: the traced rows alone need it
+    from mirrored.tracing.function import TracedFunction
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -180,6 +185,54 @@ def mlp_replica_step(model: Any, optimizer: Any) -> ReplicaStep:
     return step
 
 
+class MustReplay:
+    """Steps put under ``mirrored.function`` by calling this (``with MustReplay(...) as trace:
+    step = trace(fn)``) must replay: a traced row that quietly ran eager would time the eager
+    step under the traced row's name. While the ``with`` lasts, the warnings are recorded; at
+    its end a ``mirrored.function`` warning (a fallback to eager, a retrace) or a step traced
+    other than once per replica raises, naming the row. Other warnings are shown then."""
+
+    def __init__(self, num_replicas: int, what: str) -> None:
+        self.num_replicas = num_replicas
+        self.what = what
+        self.steps: list[TracedFunction] = []
+
+    def __call__(self, fn: Callable[..., Any]) -> TracedFunction:
+        step = mirrored.function(fn)
+        self.steps.append(step)
+        return step
+
+    def __enter__(self) -> MustReplay:
+        self._recording = warnings.catch_warnings(record=True)
+        self._caught = self._recording.__enter__()
+        warnings.simplefilter("always")
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self._recording.__exit__(exc_type, error, traceback)
+        ours = [w for w in self._caught if str(w.message).startswith("mirrored.function(")]
+        for w in self._caught:
+            if w not in ours:
+                warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+        if error is not None:
+            return
+        if ours:
+            raise RuntimeError(
+                f"{self.what}: the traced step did not replay: {[str(w.message) for w in ours]}"
+            )
+        counts = [step.experimental_get_tracing_count() for step in self.steps]
+        if any(count != self.num_replicas for count in counts):
+            raise RuntimeError(
+                f"{self.what}: traced {counts} times, expected once per replica "
+                f"({self.num_replicas})"
+            )
+
+
 def time_mirrored(
     devices: Sequence[str],
     warmup: Sequence[Any],
@@ -255,6 +308,9 @@ def _ddp_worker(
         dist.destroy_process_group()
 
 
+PeerT = TypeVar("PeerT", bound="Peer")
+
+
 class Peer:
     """Processes started once and kept idle (blocked on a pipe) between their turns; each command
     goes to every process and the answer comes from the first. ``target(rank, *args, commands,
@@ -326,7 +382,7 @@ class Peer:
                 process.terminate()
                 process.join()
 
-    def __enter__(self) -> Peer:
+    def __enter__(self: PeerT) -> PeerT:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -386,11 +442,14 @@ def machine_description() -> dict[str, Any]:
     }
 
 
-def summarize(times: dict[str, list[float]], steps: int) -> list[dict[str, Any]]:
+def summarize(
+    times: dict[str, list[float]], steps: int, goals: dict[str, float | None] = GOALS
+) -> list[dict[str, Any]]:
     """Two ratios to the plain loop, both from this run. ``ratio_best``: of the fastest
     measurement of each configuration (interference on a shared host only ever adds time, so
     the fastest is the least disturbed). ``ratio_paired``: median over rounds of the ratio to the
-    same round's plain loop (cancels slow drift). Goals are judged on ``ratio_best``."""
+    same round's plain loop (cancels slow drift). Goals (``goals``: throughput over plain, or
+    None) are judged on ``ratio_best``."""
     best_plain = min(times["plain"])
     rows = []
     for name, seconds in times.items():
@@ -398,7 +457,7 @@ def summarize(times: dict[str, list[float]], steps: int) -> list[dict[str, Any]]
         ratio_paired = statistics.median(
             plain / mine for plain, mine in zip(times["plain"], seconds, strict=True)
         )
-        goal = GOALS[name]
+        goal = goals[name]
         rows.append(
             {
                 "config": name,
@@ -415,7 +474,9 @@ def summarize(times: dict[str, list[float]], steps: int) -> list[dict[str, Any]]
     return rows
 
 
-def print_table(rows: Sequence[dict[str, Any]], steps: int, mirrored_over_ddp: float) -> None:
+def print_table(
+    rows: Sequence[dict[str, Any]], steps: int, mirrored_over_ddp: float | None = None
+) -> None:
     print(
         f"\n{'config':<12} {f'best s/{steps}':>11} {f'median s/{steps}':>13} {'steps/s':>8} "
         f"{'vs plain':>9} {'paired':>7} {'goal':>8} {'met':>4}"
@@ -429,6 +490,8 @@ def print_table(rows: Sequence[dict[str, Any]], steps: int, mirrored_over_ddp: f
             f"{goal:>8} {met:>4}"
         )
     print("vs plain: best to best; paired: median of per-round ratios to the same round's plain")
+    if mirrored_over_ddp is None:
+        return
     met = "yes" if mirrored_over_ddp >= MIRRORED_OVER_DDP_GOAL else "NO"
     print(
         f"\nmirrored-2 / ddp-2 throughput (best to best): {mirrored_over_ddp:.2f}x "
@@ -436,25 +499,46 @@ def print_table(rows: Sequence[dict[str, Any]], steps: int, mirrored_over_ddp: f
     )
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=150, help="timed steps per measurement")
-    parser.add_argument("--rounds", type=int, default=9, help="interleaved rounds")
+def parse_mlp_args(
+    argv: Sequence[str] | None,
+    description: str,
+    defaults: tuple[int, int],
+    shards: int,
+    why: str,
+) -> argparse.Namespace:
+    """``--steps``, ``--rounds`` (``defaults``), ``--batch-size`` (a multiple of ``shards``:
+    ``why``) and ``--json``: the MLP benchmarks' arguments."""
+    parser = argparse.ArgumentParser(description=description.split("\n\n")[0])
+    parser.add_argument(
+        "--steps", type=int, default=defaults[0], help="timed steps per measurement"
+    )
+    parser.add_argument("--rounds", type=int, default=defaults[1], help="interleaved rounds")
     parser.add_argument("--batch-size", type=int, default=256, help="global batch size")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.rounds < 1:
         parser.error(f"--steps={args.steps} and --rounds={args.rounds} must be at least 1")
-    if args.batch_size < DDP_WORLD_SIZE or args.batch_size % DDP_WORLD_SIZE:
+    if args.batch_size < shards or args.batch_size % shards:
         parser.error(
-            f"--batch-size={args.batch_size}: must be a positive multiple of {DDP_WORLD_SIZE} "
-            "(DDP splits it evenly over its processes)"
+            f"--batch-size={args.batch_size}: must be a positive multiple of {shards} ({why})"
         )
     return args
 
 
+def subset(
+    parser: argparse.ArgumentParser, flag: str, value: str, choices: Sequence[str]
+) -> list[str]:
+    """``value``, comma-separated names of ``choices``, in the order of ``choices``."""
+    chosen = [c for c in value.split(",") if c]
+    if not chosen or any(c not in choices for c in chosen):
+        parser.error(f"{flag}={value}: choose from {','.join(choices)}")
+    return [c for c in choices if c in chosen]
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    args = parse_args(argv)
+    args = parse_mlp_args(
+        argv, __doc__, (150, 9), DDP_WORLD_SIZE, "DDP splits it evenly over its processes"
+    )
     machine = machine_description()
     print(", ".join(f"{key}: {value}" for key, value in machine.items()))
     print(
