@@ -23,6 +23,10 @@ Rows, all timed over ``--steps`` steps after 3 warm-ups:
   exchanges them and runs the whole optimizer (the default on shared memory instead updates each
   parameter once, on its owner); the same step with ``compute_average_loss``; the mode is on from
   2 replicas;
+- ``traced-1``, ``-2``, ``-4``: the same step under ``@mirrored.function`` (issue 33): traced
+  once per replica during the warm-ups, then replayed. The row raises if the step did not
+  replay (a ``mirrored.function`` warning: a fallback to eager, a retrace) or was traced other
+  than once per replica;
 - ``threads-2``, ``-4``: the plain loop on 2 and 4 threads of this process at once, each with its
   own model: the GIL without the strategy;
 - ``processes-2``, ``-4``: the same loops in 2 and 4 processes (one GIL each), started once
@@ -50,6 +54,20 @@ op and the strategy's Python, with a handful of tiny copies. So per replica: ``h
 mirrored-N's CPU per step / N, ``h_gil`` = plain's held time + (``h`` - plain's CPU per step).
 The check: N threads need at least ``N * h_gil`` of wall time per step.
 
+**Traced rows** hold the GIL differently: a replay runs each piece of the graph between host
+calls in TorchScript's interpreter, which releases the GIL for the whole piece, and the rest
+in Python (the host calls: gradients handed to autograd's accumulation and the gradient
+reducer, the optimizer's ``step()`` and ``zero_grad()``; the signature check and the graph's
+glue; a piece TorchScript refused runs as FX Python code). Measured, not modelled: while the
+row is timed, every TorchScript module call adds its thread's CPU time (``time.thread_time``
+around its ``forward``) to ``scripted``; ``h`` = the process's CPU per step / N as above, and
+``h_gil`` = ``h`` - ``scripted`` per replica step (median over rounds). Everything outside the
+scripted pieces counts as held, the ops inside the host calls included (they release the GIL
+inside ATen): ``h_gil`` errs high, and so the ratio eager / traced ``h_gil`` errs low against
+the eager rows' profiler split. Also printed per replica step: ``in step`` (CPU of the replica
+threads inside the replica function; the rest of ``h`` is ``strategy.run``'s) and the scripted
+calls per step (0: no piece ran in TorchScript).
+
 ``floor``: the CPU time of ``strategy.run`` of a replica function that does one op, per replica
 and step (N = 1, 2, 4): what a replica step costs whatever the model, the least a captured (CUDA
 graph) step still pays.
@@ -58,15 +76,18 @@ graph) step still pays.
 the device step from compare.py's GPU compute (``--compute-ms``; by default the figures of its
 recorded run, the plain loop / 20), split into forward, backward and update as the plain loop's
 phases at compare.py's sizes (measured here on one thread); without the host term, and with
-``Host(h_gil, h - h_gil)`` of the mirrored-2 row, and with the host work each way out would
-leave: CUDA graphs (``h_gil`` = the floor + one op's held time, the replay), one interpreter per
-replica (one process per GPU as MultiWorkerMirroredStrategy runs, or a free-threaded CPython
-3.13t: ``h_gil`` = 0, host = ``h``). The host figures are this machine's CPU: a faster host CPU
-scales them down.
+``Host(h_gil, h - h_gil)`` of the mirrored-2 row and of the traced-2 row (measured on CPU
+devices: on CUDA a replay runs its pieces as FX Python code, not TorchScript, so it errs low
+there), and with the host work each way out would leave: CUDA graphs (``h_gil`` = the floor +
+one op's held time, the replay), one interpreter per replica (one process per GPU as
+MultiWorkerMirroredStrategy runs, or a free-threaded CPython 3.13t: ``h_gil`` = 0, host =
+``h``). The host figures are this machine's CPU: a faster host CPU scales them down.
 
 Run from the repository root (about 8 minutes on the loaded 2-core machine of RESULTS.md):
-``.venv/bin/python benchmarks/host_overhead.py [--json PATH]``; ``--workloads``, ``--rounds``,
-``--steps``, ``--profile-steps``, ``--compute-ms``.
+``.venv/bin/python benchmarks/host_overhead.py [--json PATH]``; ``--workloads``, ``--rows``,
+``--rounds``, ``--steps``, ``--profile-steps``, ``--compute-ms``. Traced against eager on the
+MLP alone, in about a minute: ``--workloads mlp --rows
+plain,mirrored-1,mirrored-2,mirrored-4,traced-1,traced-2,traced-4``.
 """
 
 from __future__ import annotations
@@ -105,10 +126,12 @@ from overhead import (
     SEED,
     WARMUP_STEPS,
     Clock,
+    MustReplay,
     Peer,
     free_port,
     machine_description,
     settings_of,
+    subset,
     write_report,
 )
 from torch import nn
@@ -131,6 +154,9 @@ GPU_COUNTS = (1, 2, 4, 8)
 # compare.py's GPU compute per step in its recorded run (benchmarks/RESULTS.md, "Its GPU
 # predictions": the plain loop's phases on this machine's 2 cores / 20): the same assumption.
 COMPARE_GPU_COMPUTE_MS = {"mlp": 0.41, "bert": 11.7, "cnn": 1.0}
+# Issue 33's aim: a traced replica step needs this many times less host and GIL-held time.
+TRACED_GOAL = 5.0
+TRACED_WAY = "traced replica steps, measured"
 
 
 # -- launch-bound workloads ------------------------------------------------------------------------
@@ -194,6 +220,35 @@ class Timing:
     start: float
     end: float
     cpu: float
+    # The mirrored rows: CPU seconds of the replicas' threads inside the replica function, and
+    # the part of it inside TorchScript's calls (a traced replay's pieces), with their count.
+    in_step: float = 0.0
+    scripted: float = 0.0
+    scripted_calls: int = 0
+
+
+@contextmanager
+def scripted_cpu(samples: list[float]) -> Iterator[None]:
+    """While active, each call of a TorchScript method (a traced replay's piece between host
+    calls, however the replay reaches it: a module call or its ``forward``) appends the CPU
+    seconds its thread spent in it to ``samples``: the GIL-free part of a traced step. The
+    call releases the GIL around TorchScript's interpreter only: turning the arguments into
+    its stack and the result back (a few microseconds) hold it, but count here as free."""
+    method = torch._C.ScriptMethod
+    run = method.__call__
+
+    def timed_call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        start = time.thread_time()
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            samples.append(time.thread_time() - start)
+
+    method.__call__ = timed_call  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        method.__call__ = run  # type: ignore[method-assign]
 
 
 def plain_loop(
@@ -248,7 +303,8 @@ def mirrored_loop(
     workload: Workload, steps: int, num_replicas: int, replica_step: str = "train"
 ) -> Timing:
     """MirroredStrategy on ``num_replicas`` logical CPU devices, each replica on its batch of
-    ``BATCH_SIZE``; ``replica_step``: "train", or "one-op" (the floor). CPU: the process's."""
+    ``BATCH_SIZE``; ``replica_step``: "train", "traced" (the same under ``mirrored.function``,
+    checked to replay) or "one-op" (the floor). CPU: the process's."""
     strategy = mirrored.MirroredStrategy(
         devices=[f"cpu:{i}" for i in range(num_replicas)],
         cross_device_ops=mirrored.ReductionToOneDevice(),
@@ -257,8 +313,10 @@ def mirrored_loop(
         net = workload.make_model()
         model, optimizer = strategy.mirror(net, make_optimizer(net.parameters()))
 
-        def train(batch: Batch) -> None:
-            phased_step(
+        def train(batch: Batch) -> torch.Tensor:
+            # Returns the loss: a traced step that returns None fails to replay (StopIteration
+            # in Replay.__call__: a None result reads as a graph output's place).
+            return phased_step(
                 lambda: mirrored.compute_average_loss(workload.per_example_loss(model, batch)),
                 optimizer,
                 UNTIMED,
@@ -267,18 +325,44 @@ def mirrored_loop(
         def one_op(batch: Batch) -> None:
             batch[0].sum()
 
-        step = {"train": train, "one-op": one_op}[replica_step]
-        batches = workload.make_batches(WARMUP_STEPS + steps, BATCH_SIZE * num_replicas)
-        for batch in strategy.experimental_distribute_dataset(batches[:WARMUP_STEPS]):
-            strategy.run(step, args=(batch,))
-        timed = strategy.experimental_distribute_dataset(batches[WARMUP_STEPS:])
-        gc.collect()
-        cpu, start = time.process_time(), time.perf_counter()
-        for batch in timed:
-            strategy.run(step, args=(batch,))
-        return Timing(start, time.perf_counter(), time.process_time() - cpu)
+        with MustReplay(num_replicas, f"traced-{num_replicas} ({workload.name})") as trace:
+            steps_by_kind = {"train": train, "one-op": one_op}
+            step = trace(train) if replica_step == "traced" else steps_by_kind[replica_step]
+            return _timed_run(
+                strategy,
+                step,
+                workload.make_batches(WARMUP_STEPS + steps, BATCH_SIZE * num_replicas),
+            )
     finally:
         strategy.close()
+
+
+def _timed_run(
+    strategy: mirrored.MirroredStrategy, step: Callable[[Batch], object], batches: Sequence[Batch]
+) -> Timing:
+    """``strategy.run(step)`` on each batch split over the replicas: 3 warm-ups, then the rest
+    timed, with the replicas' CPU inside ``step`` and inside TorchScript's calls."""
+    in_step: list[float] = []
+
+    def timed_step(batch: Batch) -> None:
+        start = time.thread_time()
+        try:
+            step(batch)
+        finally:
+            in_step.append(time.thread_time() - start)
+
+    for batch in strategy.experimental_distribute_dataset(batches[:WARMUP_STEPS]):
+        strategy.run(timed_step, args=(batch,))
+    timed = strategy.experimental_distribute_dataset(batches[WARMUP_STEPS:])
+    in_step.clear()
+    scripted: list[float] = []
+    gc.collect()
+    with scripted_cpu(scripted):
+        cpu, start = time.process_time(), time.perf_counter()
+        for batch in timed:
+            strategy.run(timed_step, args=(batch,))
+        end, cpu = time.perf_counter(), time.process_time() - cpu
+    return Timing(start, end, cpu, sum(in_step), sum(scripted), len(scripted))
 
 
 def _process_worker(rank: int, world_size: int, port: int, commands: Any, results: Any) -> None:
@@ -307,13 +391,22 @@ def per_step(timings: Sequence[Timing], steps: int) -> dict[str, float]:
     """Seconds per step: wall, from the first loop's start to the last one's end; CPU, all
     loops'."""
     wall = max(t.end for t in timings) - min(t.start for t in timings)
-    return {"wall": wall / steps, "cpu": sum(t.cpu for t in timings) / steps}
+    totals = {
+        key: sum(getattr(t, key) for t in timings) / steps
+        for key in ("cpu", "in_step", "scripted", "scripted_calls")
+    }
+    return {"wall": wall / steps, **totals}
 
 
 ROWS = (
     "plain",
     "mirrored-1",
-    *(f"{kind}-{n}" for n in REPLICA_COUNTS for kind in ("threads", "processes", "mirrored")),
+    "traced-1",
+    *(
+        f"{kind}-{n}"
+        for n in REPLICA_COUNTS
+        for kind in ("threads", "processes", "mirrored", "traced")
+    ),
 )
 
 
@@ -329,7 +422,8 @@ def measure_row(row: str, name: str, steps: int, peers: dict[int, Peer]) -> dict
         return per_step(threads_loop(workload, steps, num), steps)
     if row.startswith("processes"):
         return per_step(peers[num].ask(("run", name, steps)), steps)
-    return per_step([mirrored_loop(workload, steps, num)], steps)
+    replica_step = "traced" if row.startswith("traced") else "train"
+    return per_step([mirrored_loop(workload, steps, num, replica_step)], steps)
 
 
 # -- the GIL-held part -----------------------------------------------------------------------------
@@ -395,14 +489,19 @@ def gil_split(workload: Workload, steps: int) -> dict[str, Any]:
 
 
 def run_workload(
-    name: str, steps: int, profile_steps: int, rounds: int, peers: dict[int, Peer]
+    name: str,
+    rows: Sequence[str],
+    steps: int,
+    profile_steps: int,
+    rounds: int,
+    peers: dict[int, Peer],
 ) -> dict[str, Any]:
     print(f"\n== {name}: {WORKLOADS[name].description}; {steps} steps, {rounds} rounds", flush=True)
-    measured: dict[str, list[dict[str, float]]] = {row: [] for row in ROWS}
+    measured: dict[str, list[dict[str, float]]] = {row: [] for row in rows}
     splits = []
     for round_index in range(rounds):
-        shift = round_index % len(ROWS)
-        for row in ROWS[shift:] + ROWS[:shift]:
+        shift = round_index % len(rows)
+        for row in [*rows[shift:], *rows[:shift]]:
             measured[row].append(measure_row(row, name, steps, peers))
         splits.append(gil_split(WORKLOADS[name], profile_steps))
         print(
@@ -433,8 +532,7 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
     plain_rounds = result["rows"]["plain"]
     rows = {
         row: {
-            "wall": median_of(records, "wall"),
-            "cpu": median_of(records, "cpu"),
+            **{key: median_of(records, key) for key in records[0]},
             # CPU per loop over the same round's plain loop: cancels the machine's drift.
             "cpu_per_loop_paired": statistics.median(
                 r["cpu"] / replicas_of(row) / p["cpu"]
@@ -445,12 +543,7 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
     }
     splits = result["splits"]
     share = statistics.median(s["held"] / s["phase"] for s in splits)
-    plain_cpu = rows["plain"]["cpu"]
-    held = share * plain_cpu
-    per_replica = {}
-    for n in (1, *REPLICA_COUNTS):
-        h = rows[f"mirrored-{n}"]["cpu"] / n
-        per_replica[n] = {"h": h, "h_gil": held + max(0.0, h - plain_cpu)}
+    held = share * rows["plain"]["cpu"]
     phases = {
         phase: {
             key: statistics.median(s["phases"][phase][key] for s in splits)
@@ -465,8 +558,36 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         "held": held,
         "phases": phases,
         "ops": ops,
-        "per_replica": per_replica,
+        "per_replica": per_replica(rows, result["rows"], held),
     }
+
+
+def per_replica(
+    rows: dict[str, dict[str, float]], rounds: dict[str, list[dict[str, float]]], held: float
+) -> dict[str, dict[str, float]]:
+    """Per replica step of each mirrored and traced row: ``h``, ``h_gil`` and its parts (see
+    module docstring); a traced row's ratios to the eager row of as many replicas."""
+    plain_cpu = rows["plain"]["cpu"]
+    hosts: dict[str, dict[str, float]] = {}
+    for row, r in rows.items():
+        n = replicas_of(row)
+        parts = {
+            "h": r["cpu"] / n,
+            "in_step": r["in_step"] / n,
+            "scripted": r["scripted"] / n,
+            "scripted_calls": r["scripted_calls"] / n,
+        }
+        if row.startswith("mirrored"):
+            hosts[row] = {**parts, "h_gil": held + max(0.0, parts["h"] - plain_cpu)}
+        elif row.startswith("traced"):
+            h_gil = statistics.median((t["cpu"] - t["scripted"]) / n for t in rounds[row])
+            hosts[row] = {**parts, "h_gil": h_gil}
+    for row, traced in hosts.items():
+        eager = hosts.get(row.replace("traced", "mirrored"))
+        if row.startswith("traced") and eager is not None:
+            traced["eager_over_traced_h"] = eager["h"] / traced["h"]
+            traced["eager_over_traced_h_gil"] = eager["h_gil"] / traced["h_gil"]
+    return hosts
 
 
 def print_measurements(summaries: dict[str, dict[str, Any]]) -> None:
@@ -479,7 +600,8 @@ def print_measurements(summaries: dict[str, dict[str, Any]]) -> None:
         for row, r in s["rows"].items():
             n = replicas_of(row)
             # The GIL-held work N loops of this row need: the plain loop's, or the replica's.
-            gil = s["per_replica"][n]["h_gil"] if row.startswith("mirrored") else s["held"]
+            host = s["per_replica"].get(row)
+            gil = s["held"] if host is None else host["h_gil"]
             serial = (
                 f"{r['wall'] / (n * gil):14.2f}" if not row.startswith("proc") else f"{'-':>14}"
             )
@@ -491,8 +613,8 @@ def print_measurements(summaries: dict[str, dict[str, Any]]) -> None:
     print(
         "medians over rounds, per step of all N loops; CPU/loop: CPU ms per loop (replica) per "
         "step; paired: median over rounds of CPU/loop over the same round's plain loop;\n"
-        "N*h_gil: the GIL-held work the N loops need (threads: plain's held part; mirrored: "
-        "the replica's h_gil); wall/(N*h_gil) near 1: the GIL sets the pace"
+        "N*h_gil: the GIL-held work the N loops need (threads: plain's held part; mirrored, "
+        "traced: the replica's h_gil); wall/(N*h_gil) near 1: the GIL sets the pace"
     )
     print(
         "\nGIL split of the plain loop under the profiler (ms per step, held = phase - free; "
@@ -514,13 +636,32 @@ def print_measurements(summaries: dict[str, dict[str, Any]]) -> None:
             + f" {100 * s['held_share']:5.0f}% {s['ops']:5.0f} {1e3 * s['held']:8.3f}"
         )
     print("  held: the share times the plain loop's CPU per step, unprofiled (ms)")
-    print("\nPer replica (mirrored-N: h = its CPU per step / N, h_gil = plain's held + the rest):")
+    print_per_replica(summaries)
+
+
+def print_per_replica(summaries: dict[str, dict[str, Any]]) -> None:
+    print(
+        "\nPer replica step, CPU ms (h: the row's CPU per step / N; in step: inside the replica "
+        "function, the rest is strategy.run's; scripted: inside TorchScript's calls, in calls "
+        "per step;\nh_gil: mirrored-N plain's held + (h - plain's CPU), traced-N h - scripted; "
+        f"eager/traced: mirrored-N's over traced-N's, goal >= {TRACED_GOAL:g}x):"
+    )
+    print(
+        f"  {'workload':<8} {'row':<11} {'h':>7} {'in step':>7} {'scripted':>8} {'calls':>5} "
+        f"{'h_gil':>7} {'eager/traced h':>14} {'h_gil':>6}"
+    )
     for name, s in summaries.items():
-        cells = [
-            f"N={n}: h {1e3 * v['h']:.3f} ms, h_gil {1e3 * v['h_gil']:.3f} ms"
-            for n, v in s["per_replica"].items()
-        ]
-        print(f"  {name:<8} " + "; ".join(cells))
+        for row, v in s["per_replica"].items():
+            ratios = (
+                f"{v['eager_over_traced_h']:13.2f}x {v['eager_over_traced_h_gil']:5.2f}x"
+                if "eager_over_traced_h" in v
+                else f"{'-':>14} {'-':>6}"
+            )
+            print(
+                f"  {name:<8} {row:<11} {1e3 * v['h']:7.3f} {1e3 * v['in_step']:7.3f} "
+                f"{1e3 * v['scripted']:8.3f} {v['scripted_calls']:5.1f} {1e3 * v['h_gil']:7.3f} "
+                f"{ratios}"
+            )
 
 
 # -- GPU predictions -------------------------------------------------------------------------------
@@ -539,17 +680,20 @@ def full_size_phases(names: Sequence[str]) -> dict[str, dict[str, float]]:
 
 
 def ways_out(summary: dict[str, Any], floors: dict[int, float]) -> dict[str, scaling_model.Host]:
-    """The host work per replica each way predicts (see module docstring)."""
-    measured = summary["per_replica"][2]
+    """The host work per replica each way predicts (see module docstring); the measured ways
+    where their row (mirrored-2, traced-2) ran."""
+    hosts = summary["per_replica"]
     one_call = summary["held"] / summary["ops"]  # GIL-held seconds per op, plain loop
-    return {
-        "devices only (no host term)": scaling_model.NO_HOST,
-        "replica threads (GIL), measured": scaling_model.Host(
-            measured["h_gil"], measured["h"] - measured["h_gil"]
-        ),
-        "CUDA graphs: one replay a step": scaling_model.Host(floors[2] + one_call),
-        "one interpreter per replica": scaling_model.Host(0.0, measured["h"]),
-    }
+    ways = {"devices only (no host term)": scaling_model.NO_HOST}
+    for row, way in (("mirrored-2", "replica threads (GIL), measured"), ("traced-2", TRACED_WAY)):
+        if row in hosts:
+            ways[way] = scaling_model.Host(
+                hosts[row]["h_gil"], hosts[row]["h"] - hosts[row]["h_gil"]
+            )
+    ways["CUDA graphs: one replay a step"] = scaling_model.Host(floors[2] + one_call)
+    if "mirrored-2" in hosts:
+        ways["one interpreter per replica"] = scaling_model.Host(0.0, hosts["mirrored-2"]["h"])
+    return ways
 
 
 def predict_gpus(
@@ -562,18 +706,22 @@ def predict_gpus(
         "\nPredicted scaling efficiency t(1)/t(N) on GPUs of one machine (weak scaling, DDP's "
         f"buckets), N = {' / '.join(map(str, GPU_COUNTS[1:]))}. Compute per GPU: --compute-ms "
         "(default: compare.py's, its plain loop / 20), split as the plain loop's phases at "
-        "compare.py's sizes; host per replica from the mirrored-2 row."
+        "compare.py's sizes; host per replica from the mirrored-2 and traced-2 rows."
     )
     predictions = []
     for name, summary in summaries.items():
         compute = gpu_compute(phases[name], 1.0, compute_ms[name])
         buckets = scaling_model.bucket_sizes(full_size_gradient_bytes(name))
         ways = ways_out(summary, floors)
+        hosts = [
+            f"{row} h = {1e3 * host['h']:.3f} ms, h_gil = {1e3 * host['h_gil']:.3f} ms"
+            for row, host in summary["per_replica"].items()
+            if row in ("mirrored-2", "traced-2")
+        ]
         print(
-            f"  {name}: device compute {1e3 * compute.total:.3f} ms/step; host per replica h = "
-            f"{1e3 * summary['per_replica'][2]['h']:.3f} ms, GIL-held h_gil = "
-            f"{1e3 * summary['per_replica'][2]['h_gil']:.3f} ms "
-            f"({1e6 * summary['held'] / summary['ops']:.1f} us held per op of the plain loop)"
+            f"  {name}: device compute {1e3 * compute.total:.3f} ms/step; host per replica: "
+            + "; ".join(hosts)
+            + f" ({1e6 * summary['held'] / summary['ops']:.1f} us held per op of the plain loop)"
         )
         print(
             f"    {'':<32} "
@@ -617,7 +765,9 @@ def predict_gpus(
         "(the replay); a compiled step without graphs keeps one Python launch per fused kernel: "
         "about that many x the held time per op above.\n  One interpreter per replica: one "
         "process per GPU (MultiWorkerMirroredStrategy) or free-threaded CPython 3.13t+ (no GIL): "
-        "the host work of the replicas runs in parallel, host = h."
+        "the host work of the replicas runs in parallel, host = h.\n  Traced: on CPU devices "
+        "a replay's pieces run in TorchScript (GIL-free); on CUDA they run as FX Python code, "
+        "one held call per op, so this row errs low there."
     )
     return predictions
 
@@ -628,6 +778,12 @@ def predict_gpus(
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset")
+    parser.add_argument(
+        "--rows",
+        default=",".join(ROWS),
+        help="comma-separated subset of the rows (plain always runs: the others are paired "
+        "with it), e.g. plain,mirrored-2,traced-2 for a short run",
+    )
     parser.add_argument(
         "--steps",
         default="",
@@ -646,9 +802,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     args = parser.parse_args(argv)
-    args.workloads = [w for w in args.workloads.split(",") if w]
-    if not args.workloads or any(w not in WORKLOADS for w in args.workloads):
-        parser.error(f"--workloads={','.join(args.workloads)}: choose from {','.join(WORKLOADS)}")
+    args.workloads = subset(parser, "--workloads", args.workloads, tuple(WORKLOADS))
+    args.rows = ["plain", *(r for r in subset(parser, "--rows", args.rows, ROWS) if r != "plain")]
     try:
         given = (
             dict.fromkeys(WORKLOADS, float(args.steps))
@@ -685,10 +840,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     peers: dict[int, Peer] = {}
     try:
         for n in REPLICA_COUNTS:
-            peers[n] = Peer(_process_worker, (n, free_port()), n, f"{n} processes")
+            if f"processes-{n}" in args.rows:
+                peers[n] = Peer(_process_worker, (n, free_port()), n, f"{n} processes")
         for name in args.workloads:
             results[name] = run_workload(
-                name, args.steps[name], args.profile_steps, args.rounds, peers
+                name, args.rows, args.steps[name], args.profile_steps, args.rounds, peers
             )
     finally:
         for peer in peers.values():

@@ -31,7 +31,9 @@ The model, for N devices that each run one replica on the same per-device batch 
   so the kernels cost nothing: host_overhead.py). ``h = 0`` gives the device-only model; with
   ``N * h_gil`` above the device step, t(N) grows as N and efficiency falls as 1/N. One
   interpreter per replica (one process per GPU, or a free-threaded CPython) makes
-  ``h_gil = 0``: ``host(N) = h``.
+  ``h_gil = 0``: ``host(N) = h``. A traced replica step (``mirrored.function``) keeps one
+  interpreter but runs the pieces between its host calls without the GIL: its ``h_gil`` is
+  what stays in Python (the host calls, the replay's glue), host_overhead.py's traced rows.
 - **Scaling efficiency** = ``t(1) / t(N)``: the share of N times one device's throughput that N
   devices reach. It is at most 1, since communication only adds time.
 - **Fitting a link** from measured all-reduce times of several sizes between N processes: least
