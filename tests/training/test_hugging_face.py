@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import mirrored
-from mirrored.training.steps import shifts_labels, targets_of
+from mirrored.training.targets import shifts_labels, targets_of
 from tests.exactness import (
     assert_values_within_reordering,
     assert_within_reordering,

@@ -7,52 +7,52 @@ optimizer's step (the all-reduce), and the metrics' partial sums. The replicas r
 as one float64 vector; the caller adds them up (``strategy.reduce``), so metrics of a ragged batch
 equal the single-device ones. ``steps_per_execution`` batches run in one ``strategy.run``.
 
-Hugging Face models return a mapping (a ``ModelOutput``): the compiled loss and metrics take its
-``logits``. With ``compile(loss=None)`` the model's own ``loss`` (a mean over the shard) trains,
-scaled to its share of the global mean by ``scale_shard_mean``. When the data has no y and x is a
-dict carrying ``labels``, those labels are the targets, weighted 0 where they are -100 (the
-positions without a loss), as Keras would treat them with ``sample_weight`` 0. A causal language
-model predicts token t + 1 at position t and its own loss averages ``labels[..., 1:]``: for it the
-targets of position t are the labels of t + 1, and its loss counts those.
+With ``compile(loss=None)`` the model's own ``loss`` (a mean over the shard) trains, scaled to
+its share of the global mean by ``scale_shard_mean``; what the loss and metrics compare is
+:mod:`mirrored.training.targets`'s. With ``compile(jit_compile=True)`` each batch's step is
+traced once per replica and signature (:func:`mirrored.function`); the learning rate's schedule
+and a torch scheduler act around it, on the host, at every step.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from mirrored import losses as losses_module
-from mirrored._torch_internals import amp_unscale_and_check_, code_of
+from mirrored._torch_internals import amp_unscale_and_check_
 from mirrored.core.context import get_replica_context
 from mirrored.core.param_groups import plain_settings, settings_of
-from mirrored.core.values import ReduceOp, flatten, map_structure
-from mirrored.input import InputOptions, batch_size_of
+from mirrored.core.values import ReduceOp, map_structure
+from mirrored.input import InputOptions
 from mirrored.losses import broadcast_weight, compute_average_loss, scale_shard_mean
+from mirrored.tracing.function import function
 from mirrored.training.float16_loss_scale import LossScale
 from mirrored.training.metric_set import MetricSet
+from mirrored.training.targets import (
+    Targets,
+    batch_first,
+    own_loss_count,
+    predicted,
+    predictions,
+    shifts_labels,
+    targets_of,
+)
 
 __all__ = [
-    "IGNORE_INDEX",
     "ShardLoss",
     "Steps",
-    "Targets",
     "call_module",
     "cast_images",
     "floating_dtype",
-    "predictions",
-    "shifts_labels",
-    "targets_of",
     "to_device",
 ]
 
 PRECISIONS = {"32": None, "32-true": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
-IGNORE_INDEX = -100  # Hugging Face's label for positions without a loss (torch's ignore_index)
 
 
 def call_module(module: Any, x: Any) -> Any:
@@ -91,73 +91,6 @@ def cast_images(x: Any, dtype: torch.dtype) -> Any:
     )
 
 
-def predictions(y_pred: Any) -> Any:
-    """What the compiled loss and metrics compare with the targets: the model's output, or the
-    ``logits`` of a mapping output (a Hugging Face ``ModelOutput``)."""
-    if not isinstance(y_pred, Mapping):
-        return y_pred
-    if "logits" not in y_pred:
-        raise TypeError(
-            f"the model returned a {type(y_pred).__name__} with keys {list(y_pred)}; compile()'s "
-            "loss and metrics take its 'logits': return them under that key (or a tensor)"
-        )
-    return y_pred["logits"]
-
-
-def _hugging_face_labels(x: Any, key: str = "labels") -> torch.Tensor | None:
-    """The ``labels`` tensor of a dict x (a Hugging Face model's inputs), or None."""
-    labels = x.get(key) if isinstance(x, Mapping) else None
-    return labels if isinstance(labels, torch.Tensor) else None
-
-
-def shifts_labels(module: Any) -> bool:
-    """Whether ``module`` is a Hugging Face causal language model: its forward computes its loss
-    through ``self.loss_function`` and that is transformers' ``ForCausalLMLoss``, which compares
-    the logits at position t with the labels at t + 1. An encoder-decoder is excluded: its decoder
-    is fed shifted inputs, and its loss compares each position with its own label."""
-    loss_utils = sys.modules.get("transformers.loss.loss_utils")
-    forward = getattr(getattr(module, "forward", None), "__func__", None)
-    code = code_of(forward)
-    if loss_utils is None or code is None or "loss_function" not in code.co_names:
-        return False
-    if getattr(getattr(module, "config", None), "is_encoder_decoder", False):
-        return False
-    return getattr(module, "loss_function", None) is getattr(loss_utils, "ForCausalLMLoss", ())
-
-
-def _labels_of_logits(x: Any, shifted: bool) -> torch.Tensor | None:
-    """The labels of a dict x aligned with the model's logits, position by position: for a
-    causal language model (``shifted``) x's ``shift_labels`` where it carries them, else
-    ``labels[..., 1:]`` with IGNORE_INDEX at the last position, as ``ForCausalLMLoss`` pads them."""
-    labels = _hugging_face_labels(x)
-    if labels is None or not shifted:
-        return labels
-    given = _hugging_face_labels(x, "shift_labels")
-    return given if given is not None else F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
-
-
-@dataclasses.dataclass
-class Targets:
-    """What one batch's loss and metrics compare the predictions with."""
-
-    y: Any  # None when the data carries no targets
-    sample_weight: Any  # for the loss and weighted_metrics: the user's weights (times ``mask``)
-    mask: torch.Tensor | None  # for metrics: 0 where the labels are IGNORE_INDEX, else None
-
-
-def targets_of(x: Any, y: Any, sample_weight: Any, shifted: bool = False) -> Targets:
-    """``y``; without one, the ``labels`` of a dict x (those of the next position for a causal
-    language model: ``shifted``), their IGNORE_INDEX positions weighted 0 (and given class 0, so
-    that no loss sees an id of -100)."""
-    labels = _labels_of_logits(x, shifted) if y is None else None
-    if labels is None:
-        return Targets(y, sample_weight, None)
-    valid = labels != IGNORE_INDEX
-    mask = valid.to(torch.float32)
-    weight = mask if sample_weight is None else broadcast_weight(sample_weight, mask) * mask
-    return Targets(labels.masked_fill(~valid, 0), weight, mask)
-
-
 @dataclasses.dataclass
 class ShardLoss:
     """A replica's loss on its shard: its examples' losses (a compiled loss), or the model's own
@@ -181,70 +114,6 @@ class ShardLoss:
         value = self.value.detach().double().reshape(())
         count = torch.as_tensor(self.count, device=value.device)
         return torch.where(count > 0, value * count, torch.zeros_like(value))
-
-
-def _own_loss_count(x: Any, shifted: bool, batch_dim: int) -> torch.Tensor | int:
-    """How many terms a model's own mean loss averages on this shard: its labels that are not
-    IGNORE_INDEX when x carries labels (a causal language model's from the second position on:
-    ``shifted``), else its examples."""
-    labels = _labels_of_logits(x, shifted)
-    return batch_size_of(x, batch_dim) if labels is None else (labels != IGNORE_INDEX).sum()
-
-
-def _per_example(value: Any, batch_dim: int) -> bool:
-    leaves = flatten(value)
-    return bool(leaves) and all(isinstance(v, torch.Tensor) and v.dim() > batch_dim for v in leaves)
-
-
-def _predicted(y_pred: Any, batch_dim: int) -> Any:
-    """What predict returns of one batch's output: a mapping output as a plain dict of its
-    per-example entries (a model's mean loss and a cache object left out), all detached."""
-    if isinstance(y_pred, Mapping):
-        y_pred = {k: v for k, v in y_pred.items() if _per_example(v, batch_dim)}
-    return map_structure(_detach, y_pred)
-
-
-def _moved_first(value: Any, batch_dim: int) -> Any:
-    """The tensors of ``value`` with dim ``batch_dim`` moved first (views; scalars as they are)."""
-    return map_structure(
-        lambda v: (
-            v.movedim(batch_dim, 0) if isinstance(v, torch.Tensor) and v.dim() > batch_dim else v
-        ),
-        value,
-    )
-
-
-def _batch_first(x: Any, targets: Targets, y_pred: Any, batch_dim: int) -> tuple[Targets, Any]:
-    """Targets and predictions of a batch split along ``batch_dim`` with that dimension moved
-    first, where the loss and metrics read the examples: the same loss, per example, as the
-    batch-first model's. The predictions must hold the batch where the inputs do; one that
-    does not (a ``[batch, classes]`` output of ``[seq, batch]`` inputs) is refused."""
-    if batch_dim == 0:
-        return targets, y_pred
-    if isinstance(y_pred, Mapping) and "logits" not in y_pred:
-        return _targets_first(targets, batch_dim), y_pred
-    predicted = predictions(y_pred)
-    size = batch_size_of(x, batch_dim)
-    if isinstance(predicted, torch.Tensor) and (
-        predicted.dim() <= batch_dim or predicted.shape[batch_dim] != size
-    ):
-        raise ValueError(
-            f"InputOptions(batch_dim={batch_dim}) reads the model's predictions along dim "
-            f"{batch_dim}, as its inputs, but for a shard of {size} examples the model returned "
-            f"shape {list(predicted.shape)}; return the predictions with the batch in dim "
-            f"{batch_dim}, or give the model batch-first data and batch_dim=0"
-        )
-    if isinstance(y_pred, Mapping):
-        y_pred = {**y_pred, "logits": _moved_first(predicted, batch_dim)}
-    else:
-        y_pred = _moved_first(y_pred, batch_dim)
-    return _targets_first(targets, batch_dim), y_pred
-
-
-def _targets_first(targets: Targets, batch_dim: int) -> Targets:
-    """``targets`` with dim ``batch_dim`` of each tensor moved first (views)."""
-    moved = _moved_first((targets.y, targets.sample_weight, targets.mask), batch_dim)
-    return Targets(*moved)
 
 
 def to_device(structure: Any, device: torch.device) -> Any:
@@ -272,6 +141,11 @@ class Steps:
     lr_scheduler: Any  # a torch LRScheduler stepped after every update, or None
     # how each batch is split: its batch_dim
     input_options: InputOptions = dataclasses.field(default_factory=InputOptions)
+    # each replica's step traced once and replayed (mirrored.function)
+    jit_compile: bool = False
+    _traced: dict[str, Callable[..., Any]] = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     # -- pieces ------------------------------------------------------------------------------------
     def scheduled_learning_rate(self, iteration: int) -> float:
@@ -340,7 +214,7 @@ class Steps:
                 "(batch_dim=0), as Hugging Face models take"
             )
         targets = targets_of(x, y, sample_weight, shifted)
-        return x, *_batch_first(x, targets, y_pred, batch_dim)
+        return x, *batch_first(x, targets, y_pred, batch_dim)
 
     def _shard_loss(self, x: Any, targets: Targets, y_pred: Any) -> ShardLoss:
         """The compiled loss summed over the shard (each example's weighted mean loss element),
@@ -354,7 +228,7 @@ class Steps:
                     "computes it when x carries 'labels'): put the labels in x, or compile with "
                     "a loss"
                 )
-            count = _own_loss_count(x, shifts_labels(self.module), self.input_options.batch_dim)
+            count = own_loss_count(x, shifts_labels(self.module), self.input_options.batch_dim)
             return ShardLoss(own, count, is_mean=True)
         if targets.y is None:
             raise ValueError(
@@ -394,43 +268,70 @@ class Steps:
         loss_scale: LossScale,
     ) -> tuple[torch.Tensor, LossScale]:
         """Train on ``batches`` (this replica's shards), one update each: forward and loss,
-        backward, the update; returns the metrics' partial sums and the float16 loss scale."""
+        backward, the update; returns the metrics' partial sums and the float16 loss scale.
+        The learning rate's schedule and a torch scheduler act around each batch's step, which
+        ``jit_compile`` traces (:func:`mirrored.function`)."""
         replica = get_replica_context()
         first_replica = replica is None or replica.local_replica_id == 0
         total: torch.Tensor | None = None
         for offset, (batch, global_batch_size) in enumerate(
             zip(batches, global_batch_sizes, strict=True)
         ):
-            x, targets, y_pred = self._outputs(batch)
-            shard_loss = self._shard_loss(x, targets, y_pred)
-            self._backward(shard_loss.scaled(global_batch_size), loss_scale)
-            loss_scale = self._update(first_iteration + offset, loss_scale, first_replica)
-            with torch.no_grad():
-                state = self._batch_state(shard_loss, targets, y_pred)
+            updates = getattr(self.optimizer, "step_updates", True)
+            if first_replica and self.schedule is not None:
+                learning_rate = self.scheduled_learning_rate(first_iteration + offset)
+                for group in self.optimizer.param_groups:
+                    group["lr"] = learning_rate
+            if self.precision == "16-mixed":
+                state, loss_scale, updated = self._learn_float16(
+                    batch, global_batch_size, loss_scale, updates
+                )
+            else:
+                state, updated = (
+                    self._replica_step("learn", self._learn)(batch, global_batch_size),
+                    True,
+                )
+            if updates and updated and first_replica and self.lr_scheduler is not None:
+                self.lr_scheduler.step()
             total = state if total is None else total + state
         assert total is not None
         return total, loss_scale
 
-    def _backward(self, loss: torch.Tensor, loss_scale: LossScale) -> None:
-        """Backward of this replica's part of the global batch's loss (scaled up under
-        float16); the replicas' gradients are summed as it runs."""
-        if self.precision == "16-mixed":
-            loss = loss * loss_scale.scale
-        loss.backward()
+    def _replica_step(self, name: str, step: Callable[..., Any]) -> Callable[..., Any]:
+        """``step``, traced once per replica and signature under ``jit_compile``."""
+        if not self.jit_compile:
+            return step
+        traced = self._traced.get(name)
+        if traced is None:
+            traced = self._traced[name] = function(step)
+        return traced
 
-    def _update(self, iteration: int, loss_scale: LossScale, first_replica: bool) -> LossScale:
-        """The optimizer's step for batch ``iteration`` at its scheduled learning rate (under
-        float16 skipped when a gradient overflowed on any replica), gradients cleared, the LR
-        scheduler stepped; returns the loss scale for the next batch. With gradient
-        accumulation most steps only add to the gradients: schedules count updates, and
-        float16's loss scale is checked and moved at updates only."""
-        updates = getattr(self.optimizer, "step_updates", True)
-        if first_replica and self.schedule is not None:
-            learning_rate = self.scheduled_learning_rate(iteration)
-            for group in self.optimizer.param_groups:
-                group["lr"] = learning_rate
+    def _learn(self, batch: tuple[Any, Any, Any], global_batch_size: int) -> torch.Tensor:
+        """One batch's forward and loss, backward, the optimizer's step; the metrics' sums."""
+        x, targets, y_pred = self._outputs(batch)
+        shard_loss = self._shard_loss(x, targets, y_pred)
+        shard_loss.scaled(global_batch_size).backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        with torch.no_grad():
+            return self._batch_state(shard_loss, targets, y_pred)
+
+    def _learn_float16(
+        self,
+        batch: tuple[Any, Any, Any],
+        global_batch_size: int,
+        loss_scale: LossScale,
+        updates: bool,
+    ) -> tuple[torch.Tensor, LossScale, bool]:
+        """``_learn`` under float16's dynamic loss scale, which reads every replica's gradients
+        on the host (so it is never traced): an overflow anywhere skips the update. Returns the
+        metrics' sums, the next loss scale and whether the optimizer stepped. With gradient
+        accumulation the scale is checked and moved at updates only."""
+        x, targets, y_pred = self._outputs(batch)
+        shard_loss = self._shard_loss(x, targets, y_pred)
+        (shard_loss.scaled(global_batch_size) * loss_scale.scale).backward()
         skipped = False
-        if updates and self.precision == "16-mixed":
+        if updates:
             skipped = self._unscale_gradients(loss_scale.scale)
             loss_scale = loss_scale.after_step(skipped)
         if skipped:
@@ -439,9 +340,8 @@ class Steps:
         else:
             self.optimizer.step()
         self.optimizer.zero_grad()
-        if updates and not skipped and first_replica and self.lr_scheduler is not None:
-            self.lr_scheduler.step()
-        return loss_scale
+        with torch.no_grad():
+            return self._batch_state(shard_loss, targets, y_pred), loss_scale, not skipped
 
     def _unscale_gradients(self, scale: float) -> bool:
         """Divide this replica's gradients by ``scale``; True when any replica's overflowed."""
@@ -460,22 +360,19 @@ class Steps:
         total: torch.Tensor | None = None
         with torch.no_grad():
             for batch in batches:
-                x, targets, y_pred = self._outputs(batch)
-                shard_loss = self._shard_loss(x, targets, y_pred)
-                state = self._batch_state(shard_loss, targets, y_pred)
+                state = self._replica_step("test", self._test_batch)(batch)
                 total = state if total is None else total + state
         assert total is not None
         return total
 
+    def _test_batch(self, batch: tuple[Any, Any, Any]) -> torch.Tensor:
+        x, targets, y_pred = self._outputs(batch)
+        return self._batch_state(self._shard_loss(x, targets, y_pred), targets, y_pred)
+
     def predict(self, batches: Sequence[tuple[Any, Any, Any]]) -> list[Any]:
         """The model's outputs for ``batches``."""
-        outputs = []
         with torch.no_grad():
-            for batch in batches:
-                y_pred = self._forward(batch)[3]
-                outputs.append(_predicted(y_pred, self.input_options.batch_dim))
-        return outputs
+            return [self._replica_step("predict", self._predict_batch)(b) for b in batches]
 
-
-def _detach(value: Any) -> Any:
-    return value.detach() if isinstance(value, torch.Tensor) else value
+    def _predict_batch(self, batch: tuple[Any, Any, Any]) -> Any:
+        return predicted(self._forward(batch)[3], self.input_options.batch_dim)
