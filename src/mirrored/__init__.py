@@ -66,6 +66,7 @@ from mirrored.strategies.multi_worker import (
 )
 from mirrored.strategies.one_device import OneDeviceStrategy
 from mirrored.strategies.pipeline import PipelinedModule, PipelinedOptimizer, PipelineStrategy
+from mirrored.tracing.function import function
 from mirrored.training import Model
 
 __version__ = "0.1.0"
@@ -144,8 +145,6 @@ __all__ = [
 _ON_FIRST_USE = {
     "ClusterCoordinator": "mirrored.coordinator.cluster_coordinator",
     "ParameterServerStrategy": "mirrored.strategies.parameter_server",
-    # torch.fx's tracer costs a second to import: only a program that traces pays it.
-    "function": "mirrored.tracing.function",
 }
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from mirrored.core.trace_recording import recording
 from mirrored.losses.shapes import (
     absolute_error,
     align_ranks,
@@ -146,8 +147,13 @@ class Loss:
     def _check_probabilities(self, y_pred: torch.Tensor) -> None:
         """With from_logits=False, check once per loss object (one host sync) that y_pred holds
         probabilities: logits fed as probabilities train silently badly. Replica threads racing
-        here at most check twice."""
+        here at most check twice. A traced step (:func:`mirrored.function`) checks at replays,
+        where the values are known."""
         if self._probabilities_checked or y_pred.numel() == 0:
+            return
+        recorder = recording()
+        if recorder is not None:
+            recorder.host_call(lambda real: self._check_probabilities(real[0]), [y_pred.detach()])
             return
         low, high = torch.stack(torch.aminmax(y_pred.detach())).tolist()
         if low < -_PROBABILITY_SLACK or high > 1 + _PROBABILITY_SLACK:
@@ -204,7 +210,12 @@ class SparseCategoricalCrossentropy(Loss):
         return ids.long()
 
     def _check_class_ids(self, ids: torch.Tensor, num_classes: int) -> None:
-        """Every id in 0..num_classes-1, else a ValueError naming one outside."""
+        """Every id in 0..num_classes-1, else a ValueError naming one outside (in a traced step,
+        :func:`mirrored.function`, at each replay, where the ids are known)."""
+        recorder = recording()
+        if recorder is not None:
+            recorder.host_call(lambda real: self._check_class_ids(real[0], num_classes), [ids])
+            return
         if ids.numel() == 0:
             return
         low, high = torch.stack(torch.aminmax(ids)).tolist()

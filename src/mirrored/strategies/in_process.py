@@ -49,7 +49,6 @@ from mirrored.input import (
     global_batch_size_of,
 )
 from mirrored.replication.buffer_sync import SyncsBuffers
-from mirrored.replication.mirrored_module import MirroredModule
 from mirrored.replication.outside_edits import CarriesOutsideEdits
 
 __all__ = ["InProcessStrategy", "add_note"]
@@ -203,14 +202,6 @@ class InProcessStrategy(ReplicaSet):
         self._replicated[replicated] = None
         if isinstance(replicated, CarriesOutsideEdits):
             replicated.mark_outside_edits()
-
-    def replica_modules(self, local_replica_id: int) -> list[torch.nn.Module]:
-        """The replica ``local_replica_id`` of every module mirrored by this strategy."""
-        return [
-            r.replicas[local_replica_id]
-            for r in list(self._replicated)
-            if isinstance(r, MirroredModule) and not r.released
-        ]
 
     def _carry_outside_edits(self) -> list[CarriesOutsideEdits]:
         """Before a run: what the program changed on replica 0 of each mirrored module since the

@@ -25,13 +25,14 @@ from mirrored.replication.accumulation import AccumulationWindow, check_accumula
 from mirrored.replication.global_batch_loss import check_loss_scaling
 from mirrored.replication.local_sgd import LocalSGD, LocalSteps
 from mirrored.replication.mirror_features import MirrorFeatures
+from mirrored.replication.mirrored_module import MirroredModule
 from mirrored.replication.zero_redundancy import ZeroRedundancy, check_zero_stage
 from mirrored.strategies.in_process import InProcessStrategy
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from mirrored.replication.mirror import MirroredModule, MirroredOptimizer
+    from mirrored.replication.mirror import MirroredOptimizer
 
 __all__ = ["ReplicatedStrategy", "observe_backward"]
 
@@ -136,6 +137,15 @@ class ReplicatedStrategy(InProcessStrategy, MirrorFeatures):
 
         given = optimizers_given(optimizers, keywords)
         return mirror_module(self, module, given, sync_batch_norm=sync_batch_norm, features=self)
+
+    def replica_modules(self, local_replica_id: int) -> list[torch.nn.Module]:
+        """The replica ``local_replica_id`` of every module mirrored by this strategy (what a
+        traced step, :func:`mirrored.function`, depends on)."""
+        return [
+            r.replicas[local_replica_id]
+            for r in list(self._replicated)
+            if isinstance(r, MirroredModule) and not r.released
+        ]
 
     # -- the mirrored optimizer's features --------------------------------------------------------
     def accumulation_window(self) -> AccumulationWindow | None:

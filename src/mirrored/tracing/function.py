@@ -24,6 +24,7 @@ with one warning naming the reason; it is never replayed stale.
 from __future__ import annotations
 
 import functools
+import re
 import warnings
 import weakref
 from collections.abc import Callable, Hashable
@@ -60,7 +61,6 @@ class _Replica:
     def __init__(self) -> None:
         self.traces: dict[Hashable, Replay | _Eager] = {}
         self.last: _Signature | None = None
-        self.warned_retrace = False
 
 
 class _Signature:
@@ -100,6 +100,21 @@ class _Signature:
         return changed
 
 
+def _reason(error: Exception) -> str:
+    """Why a trace failed, for a warning: a value read on the host named as such, with the
+    line torch blames; any other error as its first line."""
+    text = str(error)
+    blamed = re.search(r"Caused by: \((.*?)\)", text)
+    where = f" ({blamed[1]})" if blamed else ""
+    if "data-dependent" in text or "tracing tensor" in text:
+        return (
+            "the step reads a tensor's value on the host (.item(), .tolist(), a Python branch or "
+            f"a shape that depends on values){where}, which a replay could not follow"
+        )
+    lines = text.splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}{where}"
+
+
 def _leaf_key(leaf: Any) -> Hashable:
     if isinstance(leaf, torch.Tensor):
         return (leaf.shape, leaf.dtype, leaf.device, leaf.requires_grad, leaf.layout)
@@ -137,7 +152,13 @@ class TracedFunction:
             weakref.WeakKeyDictionary()
         )
         self._warned: set[str] = set()
+        self._warned_retrace = False
         self._tracing_count = 0
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled as the function it traces (a ``ClusterCoordinator`` ships it to workers);
+        the copy traces again where it runs."""
+        return TracedFunction, (self.python_function,)
 
     def experimental_get_tracing_count(self) -> int:
         """How many times the step has been traced, over all replicas (``tf.function``'s)."""
@@ -179,7 +200,7 @@ class TracedFunction:
         except TraceUnsupported as unsupported:
             return self._eager(unsupported.reason)
         except Exception as error:  # the step's own error, or a value read on the host
-            return self._eager(f"{type(error).__name__}: {str(error).splitlines()[0]}")
+            return self._eager(_reason(error))
 
     def _eager(self, reason: str) -> _Eager:
         if reason not in self._warned:
@@ -193,15 +214,15 @@ class TracedFunction:
 
     def _warn_retracing(self, state: _Replica, signature: _Signature) -> None:
         previous, state.last = state.last, signature
-        if state.warned_retrace or len(state.traces) < RETRACE_WARNING or previous is None:
+        if self._warned_retrace or len(state.traces) < RETRACE_WARNING or previous is None:
             return
-        state.warned_retrace = True
+        self._warned_retrace = True
         changed = signature.changes_since(previous)
         warnings.warn(
             f"mirrored.function({self._name}) has traced {len(state.traces) + 1} times "
             f"on one replica; {', '.join(changed[:3]) or 'the arguments'} keeps changing. "
-            "Pass tensors of fixed shapes (drop_remainder=True, padding), or Python values that "
-            "repeat: each new one traces again",
+            "Pass tensors of fixed shapes (DataLoader(drop_last=True), padding), or Python values "
+            "that repeat: each new one traces again",
             RuntimeWarning,
             stacklevel=user_stacklevel(),
         )

@@ -13,6 +13,7 @@ Python's dispatch per op.
 from __future__ import annotations
 
 import operator
+import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -27,6 +28,8 @@ from mirrored.tracing.capture import Capture
 from mirrored.tracing.host_op import HOST_CALL
 
 __all__ = ["Replay"]
+
+_scripting = threading.Lock()
 
 
 class _HostPiece:
@@ -94,7 +97,8 @@ def _scripted(piece: fx.GraphModule) -> nn.Module:
         node.target = overload_packet(node.target)
     script_form.recompile()
     try:
-        with warnings.catch_warnings():
+        # warnings' filters are process-wide: one replica scripts at a time.
+        with _scripting, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch.jit's deprecation, type-annotation notes
             return torch.jit.script(script_form)
     except Exception:  # an op or argument TorchScript does not take: the FX code runs it

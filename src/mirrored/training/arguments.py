@@ -24,14 +24,13 @@ from mirrored.training.metric_set import MetricSet
 from mirrored.training.steps import PRECISIONS
 
 __all__ = [
+    "boolean",
     "build_optimizer",
     "check_can_compile",
     "check_lr_scheduler",
     "check_precision",
     "checked_input_options",
-    "compiled_loss",
-    "compiled_metrics",
-    "metric_set",
+    "loss_and_metrics",
     "positive_int",
     "resolve_verbose",
     "validation_adapter",
@@ -54,6 +53,12 @@ def positive_int(name: str, value: Any) -> int:
 
 
 # -- compile -------------------------------------------------------------------------------------
+def boolean(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}={value!r}: expected True or False")
+    return value
+
+
 def check_can_compile(strategy: Any, fitting: bool) -> None:
     """A model created under ``strategy`` is compiled in its scope, and not while it fits."""
     current = context.get_strategy()
@@ -83,7 +88,7 @@ def checked_input_options(options: Any) -> InputOptions:
     return checked
 
 
-def compiled_loss(loss: Any) -> losses_module.Loss | None:
+def _compiled_loss(loss: Any) -> losses_module.Loss | None:
     loss_object = None if loss is None else losses_module.get(loss)
     if getattr(loss_object, "ignore_class", None) is not None:
         raise ValueError(
@@ -104,7 +109,7 @@ def check_precision(precision: str, strategy: Any) -> None:
         )
 
 
-def compiled_metrics(argument: str, metrics: Any, loss: Any) -> list[metrics_module.Metric]:
+def _compiled_metrics(argument: str, metrics: Any, loss: Any) -> list[metrics_module.Metric]:
     if metrics is None:
         return []
     if isinstance(metrics, metrics_module.Metric) or (
@@ -126,7 +131,18 @@ def compiled_metrics(argument: str, metrics: Any, loss: Any) -> list[metrics_mod
     return resolved
 
 
-def metric_set(
+def loss_and_metrics(
+    loss: Any, metrics: Any, weighted_metrics: Any
+) -> tuple[losses_module.Loss | None, MetricSet]:
+    """``compile()``'s loss, and its metrics and weighted metrics as one set."""
+    loss_object = _compiled_loss(loss)
+    return loss_object, _metric_set(
+        _compiled_metrics("metrics", metrics, loss_object),
+        _compiled_metrics("weighted_metrics", weighted_metrics, loss_object),
+    )
+
+
+def _metric_set(
     metrics: Sequence[metrics_module.Metric], weighted: Sequence[metrics_module.Metric]
 ) -> MetricSet:
     """The compiled metrics; a weighted metric whose name another one (or the loss) has is

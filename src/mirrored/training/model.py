@@ -194,6 +194,7 @@ class Model:
         lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
         sync_batch_norm: bool = False,
         input_options: InputOptions | None = None,
+        jit_compile: bool = False,
     ) -> None:
         """Choose the optimizer, loss and metrics, and mirror the module on the strategy (a
         module with lazy parameters: on the first batch, once they are built).
@@ -214,15 +215,12 @@ class Model:
         per execution). ``input_options``: how fit, evaluate and predict read batches
         (``InputOptions``): ``batch_dim=1`` for a sequence-first model, whose inputs, targets,
         weights and predictions carry the batch in dim 1 (read-ahead is refused).
+        ``jit_compile``: each replica's step traced and replayed (:func:`mirrored.function`).
         """
         arguments.check_can_compile(self.strategy, fitting=self._run is not None)
-        loss_object = arguments.compiled_loss(loss)
+        loss_object, compiled_metrics = arguments.loss_and_metrics(loss, metrics, weighted_metrics)
         arguments.positive_int("steps_per_execution", steps_per_execution)
         arguments.check_precision(precision, self.strategy)
-        compiled_metrics = arguments.compiled_metrics("metrics", metrics, loss_object)
-        compiled_weighted = arguments.compiled_metrics(
-            "weighted_metrics", weighted_metrics, loss_object
-        )
         options = arguments.checked_input_options(input_options)
         self._loop.check_compile(self.module)
         # A torch optimizer on lazy parameters keeps working: torch materialises the parameter
@@ -235,11 +233,12 @@ class Model:
             module=None,
             optimizer=None,
             loss=loss_object,
-            metrics=arguments.metric_set(compiled_metrics, compiled_weighted),
+            metrics=compiled_metrics,
             precision=precision,
             schedule=schedule,
             lr_scheduler=lr_scheduler,
             input_options=options,
+            jit_compile=arguments.boolean("jit_compile", jit_compile),
         )
         self._install(steps, torch_optimizer, steps_per_execution, sync_batch_norm)
 
