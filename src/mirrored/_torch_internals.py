@@ -49,6 +49,8 @@ __all__ = [
     "outside_dispatch_modes",
     "outside_functorch",
     "overload_packet",
+    "overload_keywords",
+    "overload_schema",
     "parameter_names",
     "parameter_hooks",
     "run_hooks_last",
@@ -57,6 +59,7 @@ __all__ = [
     "replace_gradient_readers",
     "required",
     "safe_softmax",
+    "script_schemas",
     "share_step_hooks",
     "tree_flatten",
     "tree_flatten_with_path",
@@ -432,6 +435,30 @@ def overload_packet(target: Any) -> Any:
     from torch._ops import OpOverload
 
     return target.overloadpacket if isinstance(target, OpOverload) else target
+
+
+def overload_schema(target: Any) -> str | None:
+    """An ATen op overload's schema as text (``aten::view.dtype(Tensor(a) self, ...)``); None
+    for any other target."""
+    from torch._ops import OpOverload
+
+    return str(target._schema) if isinstance(target, OpOverload) else None
+
+
+def overload_keywords(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """An ATen op overload's arguments, each by its schema's name for it."""
+    names = [argument.name for argument in target._schema.arguments]
+    return {**dict(zip(names, args, strict=False)), **kwargs}
+
+
+def script_schemas(scripted: Any) -> list[str]:
+    """The schemas of the ATen ops a scripted module's ``forward`` calls, in order: which
+    overloads TorchScript resolved."""
+    return [
+        str(node.schema())
+        for node in scripted.forward.graph.nodes()
+        if node.kind().startswith("aten::")
+    ]
 
 
 def tree_flatten_with_path(tree: Any) -> tuple[list[tuple[Any, Any]], Any]:

@@ -63,13 +63,16 @@ class LoopOptions:
     ``schedule_in_step``: the mirrored loop steps the schedule inside the replica function, right
     after ``optimizer.step()`` as the plain loop does, instead of after ``strategy.run``;
     ``gradient_checkpointing``: both loops enable it in its default form; ``parameter_device``:
-    the mirrored loop runs under ``CentralStorageStrategy`` with the update there."""
+    the mirrored loop runs under ``CentralStorageStrategy`` with the update there; ``traced``:
+    the replica step is under ``mirrored.function``, and must not fall back to running as
+    written."""
 
     max_grad_norm: float | None = None
     schedule: Callable[[torch.optim.Optimizer], LRScheduler] | None = None
     schedule_in_step: bool = False
     gradient_checkpointing: bool = False  # model.gradient_checkpointing_enable(), its defaults
     parameter_device: str | None = None
+    traced: bool = False
 
 
 def _enable_gradient_checkpointing(model: nn.Module) -> None:
@@ -135,9 +138,14 @@ def train_mirrored(
             optimizer.zero_grad()
             return loss
 
+        replica_step = mirrored.function(step) if options.traced else step
         losses = []
         for batch in strategy.experimental_distribute_dataset(batches):
-            losses.append(strategy.reduce("sum", strategy.run(step, args=(batch,)), axis=None))
+            with warnings.catch_warnings():
+                if options.traced:
+                    warnings.filterwarnings("error", "mirrored.function", RuntimeWarning)
+                result = strategy.run(replica_step, args=(batch,))
+            losses.append(strategy.reduce("sum", result, axis=None))
             if scheduler is not None and not options.schedule_in_step:
                 scheduler.step()
         return [loss.item() for loss in losses]

@@ -128,6 +128,19 @@ def test_central_storage_with_a_schedule_and_clipping(parameter_device):
     )
 
 
+def test_traced_steps_with_clipping_and_a_schedule_in_the_step_equal_the_plain_loop():
+    """The same program under mirrored.function: Transformers' model traces, and the clipping
+    and the schedule stepped inside the step run at every replay."""
+    _assert_equals_the_plain_loop(
+        LoopOptions(
+            schedule=_warmup_then_linear_decay,
+            schedule_in_step=True,
+            max_grad_norm=0.5,
+            traced=True,
+        )
+    )
+
+
 def test_gradient_clipping_by_the_global_norm_inside_the_replica_function():
     """run_mlm_no_trainer.py and the Trainer's max_grad_norm clip between backward and step."""
     _assert_equals_the_plain_loop(LoopOptions(max_grad_norm=0.5))

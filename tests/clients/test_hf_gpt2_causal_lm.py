@@ -28,6 +28,7 @@ from tests.clients.hf_loop import (
     padded_sequences,
     per_token_average,
     run_plain,
+    train_mirrored,
 )
 
 PAD = 0
@@ -96,6 +97,20 @@ def plain_run() -> PlainRun:
 @pytest.mark.parametrize("num_devices", [2, 3, 4])
 def test_mirrored_training_equals_the_plain_loop(plain_run, num_devices, replica_loss):
     assert_mirrored_equals_plain(plain_run, make_gpt2, causal_batches(), num_devices, replica_loss)
+
+
+def test_traced_steps_equal_the_plain_loop(plain_run):
+    """The same program under mirrored.function (Transformers' GPT-2 traces)."""
+    assert_mirrored_equals_plain(
+        plain_run, make_gpt2, causal_batches(), 2, per_token_loss, LoopOptions(traced=True)
+    )
+
+
+def test_the_models_own_loss_runs_as_written_when_traced():
+    """scale_shard_mean branches on the host on whether the shard has anything to average
+    (the model's mean of nothing has a NaN gradient): that step cannot be replayed."""
+    with pytest.raises(RuntimeWarning, match=r"reads a tensor's value on the host .*:\d+\)"):
+        train_mirrored(make_gpt2(), causal_batches(), 2, models_own_loss, LoopOptions(traced=True))
 
 
 def test_with_dropout_a_seed_reproduces_a_run_bit_for_bit():

@@ -17,7 +17,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from mirrored.core.strategy import Strategy, scoped_strategy
-from mirrored.core.trace_recording import refuse_while_recording
+from mirrored.core.trace_recording import (
+    HostCalls,
+    TraceUnsupported,
+    recording,
+    refuse_while_recording,
+)
 from mirrored.core.values import ReduceOp, flatten, map_structure, regroup, select_replica
 
 if TYPE_CHECKING:
@@ -104,9 +109,11 @@ class ReplicaContext:
     def all_reduce(self, reduce_op: ReduceOp | str, value: Any) -> Any:
         """Reduce a nested structure of tensors (or numbers) across replicas; every replica
         receives the result on its own device. Not differentiable: the result is detached."""
-        refuse_while_recording("a replica context's all_reduce inside the step")
         op = ReduceOp.of(reduce_op)
         leaves = flatten(value)
+        recorder = recording()
+        if recorder is not None:  # a traced step: the sum is taken at each replay
+            return self._recorded_all_reduce(recorder, op, value, leaves)
         tensors = [torch.as_tensor(v, device=self.device).detach() for v in leaves]
         reduced = iter(self.strategy.all_reduce_tensors(self, op, tensors))
         results = [
@@ -114,6 +121,25 @@ class ReplicaContext:
         ]
         it = iter(results)
         return map_structure(lambda _: next(it), value)
+
+    def _recorded_all_reduce(
+        self, recorder: HostCalls, op: ReduceOp, value: Any, leaves: list[Any]
+    ) -> Any:
+        if not all(isinstance(v, torch.Tensor) for v in leaves):
+            raise TraceUnsupported(
+                "an all_reduce of Python numbers inside the step (a replay cannot give the new "
+                "sum back to Python; compute_average_loss without global_batch_size is one)"
+            )
+
+        def reduce(real: list[torch.Tensor]) -> list[torch.Tensor]:
+            replica = current_replica_context()  # this replay's run, not the traced one's
+            assert replica is not None
+            it = iter(real)
+            return flatten(replica.all_reduce(op, map_structure(lambda _: next(it), value)))
+
+        specs = [(tuple(v.shape), v.dtype, self.device) for v in leaves]
+        results = iter(recorder.host_call(reduce, [v.detach() for v in leaves], specs))
+        return map_structure(lambda _: next(results), value)
 
     def all_gather(self, value: Any, axis: int) -> Any:
         """Concatenate each tensor of a nested structure along ``axis`` across replicas,

@@ -17,11 +17,14 @@ from typing import Protocol
 
 import torch
 
+from mirrored._torch_internals import tree_flatten, tree_unflatten
+
 __all__ = [
     "HostCall",
     "HostCalls",
     "ResultSpec",
     "TraceUnsupported",
+    "record_call",
     "recording",
     "refuse_while_recording",
     "set_recording",
@@ -73,6 +76,24 @@ def set_recording(recorder: HostCalls | None) -> HostCalls | None:
     """Make ``recorder`` this thread's trace (None: none); returns the previous one."""
     previous, _state.recorder = _state.recorder, recorder
     return previous
+
+
+def record_call(
+    recorder: HostCalls, fn: Callable[..., object], *args: object, **kwargs: object
+) -> None:
+    """Record ``fn(*args, **kwargs)`` as a host call: the tensors among the arguments (a
+    metric for ``ReduceLROnPlateau``) are the replay's, the rest as given now."""
+    leaves, spec = tree_flatten((args, kwargs))
+    positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+
+    def call(tensors: list[torch.Tensor]) -> None:
+        given = list(leaves)
+        for position, tensor in zip(positions, tensors, strict=True):
+            given[position] = tensor
+        call_args, call_kwargs = tree_unflatten(given, spec)
+        fn(*call_args, **call_kwargs)
+
+    recorder.host_call(call, [leaves[i] for i in positions])
 
 
 def refuse_while_recording(what: str) -> None:

@@ -4,7 +4,8 @@ A scheduler stepped inside replicas would advance once per replica: the ``step``
 torch's ``LRScheduler`` and of every other subclass that defines its own (torch's, a third
 party's; defined before the patch or while it is installed, through ``LRScheduler.
 __init_subclass__``) are wrapped so that a caller may skip them there
-(:mod:`mirrored.torch_patches.mirrored_optimizers`).
+(:mod:`mirrored.torch_patches.mirrored_optimizers`). In a step being traced
+(:func:`mirrored.function`) they are recorded to step at each replay.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+from mirrored.core.trace_recording import record_call, recording
 from mirrored.torch_patches.holders import Installation, Patch
 
 __all__ = ["SCHEDULERS", "install_step_routes"]
@@ -52,8 +54,13 @@ def _route_step(installation: Installation, cls: type, skip: Callable[[Any], boo
 
     @functools.wraps(original)
     def step(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if installation.in_force and skip(self):
-            return None
+        if installation.in_force:
+            recorder = recording()
+            if recorder is not None:  # a traced step: the scheduler steps at each replay
+                record_call(recorder, step, self, *args, **kwargs)
+                return None
+            if skip(self):
+                return None
         return original(self, *args, **kwargs)
 
     step._routed_by = installation  # type: ignore[attr-defined]

@@ -43,9 +43,10 @@ from mirrored.random.activation_checkpoint import entered_streams
 from mirrored.replication.global_batch_loss import check_loss_scaling
 from mirrored.tracing.host_op import HOST_CALL, fake_results
 
-__all__ = ["Capture", "CallInputs", "capture"]
+__all__ = ["GRAPH_OUTPUT", "CallInputs", "Capture", "capture"]
 
 _keys = itertools.count()
+GRAPH_OUTPUT = object()  # in a step's result, the place of a tensor the graph computes
 # torch.fx's tracer keeps global state: one trace at a time in the process (replicas trace at
 # once on their first call).
 _tracing = threading.Lock()
@@ -68,7 +69,7 @@ class Capture:
     host_calls: dict[int, HostCall]
     inputs: CallInputs
     output_spec: Any  # torch pytree spec of the result
-    output_leaves: list[Any]  # None where a graph output goes, else the constant itself
+    output_leaves: list[Any]  # GRAPH_OUTPUT where a graph output goes, else the constant itself
     drawn_devices: tuple[torch.device, ...]
 
 
@@ -226,7 +227,7 @@ def capture(
         with recorder, writes:
             result = fn(*call_args, **call_kwargs)
         out_leaves, outputs["spec"] = tree_flatten(result)
-        outputs["leaves"] = [None if isinstance(o, torch.Tensor) else o for o in out_leaves]
+        outputs["leaves"] = [GRAPH_OUTPUT if isinstance(o, torch.Tensor) else o for o in out_leaves]
         return [o for o in out_leaves if isinstance(o, torch.Tensor)]
 
     with _tracing:

@@ -24,10 +24,11 @@ with one warning naming the reason; it is never replayed stale.
 from __future__ import annotations
 
 import functools
-import re
+import traceback
 import warnings
 import weakref
 from collections.abc import Callable, Hashable
+from pathlib import Path
 from typing import Any, TypeVar, overload
 
 import torch
@@ -101,11 +102,11 @@ class _Signature:
 
 
 def _reason(error: Exception) -> str:
-    """Why a trace failed, for a warning: a value read on the host named as such, with the
-    line torch blames; any other error as its first line."""
+    """Why a trace failed, for a warning: a value read on the host named as such; any other
+    error as its first line; each with the step's innermost line it came from."""
     text = str(error)
-    blamed = re.search(r"Caused by: \((.*?)\)", text)
-    where = f" ({blamed[1]})" if blamed else ""
+    blamed = _innermost_outside_libraries(error)
+    where = f" ({blamed})" if blamed else ""
     if "data-dependent" in text or "tracing tensor" in text:
         return (
             "the step reads a tensor's value on the host (.item(), .tolist(), a Python branch or "
@@ -113,6 +114,20 @@ def _reason(error: Exception) -> str:
         )
     lines = text.splitlines()
     return f"{type(error).__name__}: {lines[0] if lines else ''}{where}"
+
+
+def _innermost_outside_libraries(error: Exception) -> str | None:
+    """``file:line`` of the innermost frame of ``error``'s traceback outside torch and
+    mirrored (the program's, or a library's it calls, such as Transformers')."""
+    blamed = None
+    for frame, line in traceback.walk_tb(error.__traceback__):
+        filename = frame.f_code.co_filename
+        if not filename.startswith(_LIBRARIES):
+            blamed = f"{filename}:{line}"
+    return blamed
+
+
+_LIBRARIES = (str(Path(torch.__file__).parent), str(Path(__file__).parents[1]), "<")
 
 
 def _leaf_key(leaf: Any) -> Hashable:

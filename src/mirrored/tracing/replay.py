@@ -12,6 +12,7 @@ Python's dispatch per op.
 
 from __future__ import annotations
 
+import copy
 import operator
 import threading
 import warnings
@@ -22,9 +23,15 @@ import torch
 from torch import fx, nn
 from torch.fx.passes.split_module import split_module
 
-from mirrored._torch_internals import overload_packet, tree_unflatten
+from mirrored._torch_internals import (
+    overload_keywords,
+    overload_packet,
+    overload_schema,
+    script_schemas,
+    tree_unflatten,
+)
 from mirrored.core.trace_recording import HostCall
-from mirrored.tracing.capture import Capture
+from mirrored.tracing.capture import GRAPH_OUTPUT, Capture
 from mirrored.tracing.host_op import HOST_CALL
 
 __all__ = ["Replay"]
@@ -79,11 +86,55 @@ def _cut(graph: fx.GraphModule) -> fx.GraphModule:
             parts[node] = parts[node.args[0]]
         else:
             parts[node] = part
-    return split_module(graph, graph, lambda node: parts[node], keep_original_order=True)
+    cut = split_module(graph, graph, lambda node: parts[node], keep_original_order=True)
+    _constants_inside(cut)
+    return cut
+
+
+def _constants_inside(cut: fx.GraphModule) -> None:
+    """``split_module`` hands every piece its constants (parameters, buffers, generators) as
+    arguments: each piece between host calls gets them as attributes of its own instead, so
+    that the glue passes fewer values and TorchScript knows a generator for one."""
+    for call in cut.graph.nodes:
+        if call.op != "call_module":
+            continue
+        piece = getattr(cut, call.target)
+        if any(n.target is HOST_CALL for n in piece.graph.nodes):
+            continue
+        placeholders = [n for n in piece.graph.nodes if n.op == "placeholder"]
+        kept = []
+        for placeholder, given in zip(placeholders, call.args, strict=True):
+            if not (isinstance(given, fx.Node) and given.op == "get_attr"):
+                kept.append(given)
+                continue
+            _hold(piece, placeholder.name, getattr(cut, str(given.target)))
+            with piece.graph.inserting_before(placeholder):
+                # create_node: Graph.get_attr warns about a generator, a plain attribute
+                held = piece.graph.create_node("get_attr", placeholder.name)
+                placeholder.replace_all_uses_with(held)
+            piece.graph.erase_node(placeholder)
+        call.args = tuple(kept)
+        piece.recompile()
+    for node in list(cut.graph.nodes):  # not dead-code elimination: host calls return nothing
+        if node.op == "get_attr" and not node.users:
+            cut.graph.erase_node(node)
+    cut.recompile()
+
+
+def _hold(piece: nn.Module, name: str, value: Any) -> None:
+    """``value`` as ``piece.<name>``: a parameter, a buffer (the tensor itself, not a copy), or
+    a plain attribute."""
+    if isinstance(value, nn.Parameter):
+        piece.register_parameter(name, value)
+    elif isinstance(value, torch.Tensor):
+        piece.register_buffer(name, value, persistent=False)
+    else:
+        setattr(piece, name, value)
 
 
 def _scripted(piece: fx.GraphModule) -> nn.Module:
-    """``piece`` run by TorchScript where it can be (its ops on the CPU only), else itself."""
+    """``piece`` run by TorchScript where it can be (its ops on the CPU only) and calls the very
+    overloads the trace recorded, else itself."""
     devices = {
         v.device
         for n in piece.graph.nodes
@@ -92,17 +143,45 @@ def _scripted(piece: fx.GraphModule) -> nn.Module:
     } | {t.device for t in piece.state_dict(keep_vars=True).values()}
     if any(d.type != "cpu" for d in devices):
         return piece
-    script_form = fx.GraphModule(piece, piece.graph)
+    script_form = fx.GraphModule(piece, copy.deepcopy(piece.graph))  # the piece keeps its own
+    # Ops whose results nothing uses (and that write nothing) TorchScript drops: so here too.
+    script_form.graph.eliminate_dead_code()
+    recorded = []
     for node in script_form.graph.nodes:
+        schema = overload_schema(node.target)
+        if schema is None:
+            continue
+        recorded.append(schema)
+        # By name, each argument: TorchScript picks an overload by its arguments' types, and
+        # a dtype is an int there (aten.view(x, torch.int32) would be a view of shape [3]).
+        node.args, node.kwargs = (), overload_keywords(node.target, node.args, node.kwargs)
         node.target = overload_packet(node.target)
     script_form.recompile()
     try:
         # warnings' filters are process-wide: one replica scripts at a time.
         with _scripting, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch.jit's deprecation, type-annotation notes
-            return torch.jit.script(script_form)
+            scripted = torch.jit.script(script_form)
     except Exception:  # an op or argument TorchScript does not take: the FX code runs it
         return piece
+    resolved = script_schemas(scripted)
+    same = len(resolved) == len(recorded) and all(map(_same_overload, recorded, resolved))
+    return scripted if same else piece
+
+
+# Overloads that differ only in whether an argument is a tensor or a number: the trace records
+# ``div.Tensor(x, 8)`` (a number wrapped as a tensor), TorchScript calls ``div.Scalar``; ATen
+# computes both alike.
+_TENSOR_OR_NUMBER = {"Tensor", "Scalar", "Tensor_Scalar", "Tensor_Tensor", "Scalar_Tensor"}
+
+
+def _same_overload(recorded: str, resolved: str) -> bool:
+    """Whether TorchScript resolved the call the trace recorded as ``recorded`` to it."""
+    if recorded == resolved:
+        return True
+    names = [schema.split("(", 1)[0].partition(".") for schema in (recorded, resolved)]
+    (op, _, overload), (other_op, _, other_overload) = names
+    return op == other_op and {overload, other_overload} <= _TENSOR_OR_NUMBER
 
 
 class Replay:
@@ -111,7 +190,7 @@ class Replay:
     def __init__(self, capture: Capture) -> None:
         self._capture = capture
         cut = _cut(capture.graph)
-        scripted = False
+        scripted = True
         for name, piece in list(cut.named_children()):
             assert isinstance(piece, fx.GraphModule)
             host = next((n for n in piece.graph.nodes if n.target is HOST_CALL), None)
@@ -120,14 +199,15 @@ class Replay:
                 run = _HostPiece(piece, capture.host_calls[host.args[0]])
             else:
                 ready = _scripted(piece)
-                scripted = scripted or isinstance(ready, torch.jit.ScriptModule)
+                scripted = scripted and isinstance(ready, torch.jit.ScriptModule)
                 run = ready.forward  # no module call around it: the glue calls it each step
             # The glue's code reads ``self.<name>``: an attribute, not a submodule, now.
             del cut._modules[name]
             object.__setattr__(cut, name, run)
         self._cut = cut
         self.scripted = scripted
-        """Whether TorchScript runs any piece (else the graph's Python code runs them all)."""
+        """Whether TorchScript runs every piece between host calls (else some run as the
+        graph's Python code)."""
 
     @property
     def drawn_devices(self) -> tuple[torch.device, ...]:
@@ -147,5 +227,5 @@ class Replay:
         if isinstance(results, torch.Tensor):
             results = [results]
         values = iter(results)
-        leaves = [next(values) if c is None else c for c in capture.output_leaves]
+        leaves = [next(values) if c is GRAPH_OUTPUT else c for c in capture.output_leaves]
         return tree_unflatten(leaves, capture.output_spec)
