@@ -164,7 +164,10 @@ def _scripted(piece: fx.GraphModule) -> nn.Module:
             scripted = torch.jit.script(script_form)
     except Exception:  # an op or argument TorchScript does not take: the FX code runs it
         return piece
-    resolved = script_schemas(scripted)
+    # TorchScript adds ops of its own around the recorded ones (a list's __getitem__ for an op
+    # that returns several tensors): only ops of the names the trace recorded are compared.
+    names = {_op_name(schema) for schema in recorded}
+    resolved = [schema for schema in script_schemas(scripted) if _op_name(schema) in names]
     same = len(resolved) == len(recorded) and all(map(_same_overload, recorded, resolved))
     return scripted if same else piece
 
@@ -182,6 +185,11 @@ def _same_overload(recorded: str, resolved: str) -> bool:
     names = [schema.split("(", 1)[0].partition(".") for schema in (recorded, resolved)]
     (op, _, overload), (other_op, _, other_overload) = names
     return op == other_op and {overload, other_overload} <= _TENSOR_OR_NUMBER
+
+
+def _op_name(schema: str) -> str:
+    """``aten::view`` of ``aten::view.dtype(Tensor(a) self, ...)``."""
+    return schema.split("(", 1)[0].partition(".")[0]
 
 
 class Replay:
