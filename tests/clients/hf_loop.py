@@ -23,6 +23,7 @@ from tests.exactness import (
     assert_within_reordering,
     reversed_examples,
 )
+from tests.tracing.traces import replays
 
 VOCAB_SIZE = 100
 Batch = dict[str, torch.Tensor]
@@ -148,6 +149,7 @@ def train_mirrored(
             losses.append(strategy.reduce("sum", result, axis=None))
             if scheduler is not None and not options.schedule_in_step:
                 scheduler.step()
+        assert not options.traced or replays(replica_step)  # TorchScript ran every piece
         return [loss.item() for loss in losses]
 
 

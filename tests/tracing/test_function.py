@@ -16,6 +16,7 @@ from torch import nn
 import mirrored
 from mirrored.tracing.capture import capture
 from tests.reference_loops import assert_replicas_identical, assert_same_parameters
+from tests.tracing.traces import replays
 
 pytestmark = pytest.mark.usefixtures("float64")
 
@@ -80,18 +81,6 @@ def train(
         result = result[0] if isinstance(result, tuple) else result
         losses.append(strategy.reduce("sum", result, axis=None).item())
     return mirrored_model, losses, step
-
-
-def replays(step: Step) -> bool:
-    """The step traced on every call signature, never ran as written, and TorchScript runs
-    every piece of its traces."""
-    traces = [
-        trace
-        for replicas in step._replicas.values()
-        for state in replicas.values()
-        for trace in state.traces.values()
-    ]
-    return bool(traces) and all(getattr(trace, "scripted", False) for trace in traces)
 
 
 @pytest.mark.parametrize("num_replicas", [1, 2, 4])

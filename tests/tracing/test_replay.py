@@ -16,6 +16,8 @@ def schema(op: torch._ops.OpOverload) -> str:
 def test_an_overload_that_only_takes_a_number_for_a_tensor_is_the_same() -> None:
     assert _same_overload(schema(torch.ops.aten.div.Tensor), schema(torch.ops.aten.div.Scalar))
     assert _same_overload(schema(torch.ops.aten.add_.Tensor), schema(torch.ops.aten.add_.Scalar))
+    twin = torch.ops.aten.index.Tensor_hacked_twin  # indices as Tensor[], not Tensor?[]
+    assert _same_overload(schema(torch.ops.aten.index.Tensor), schema(twin))
 
 
 def test_an_overload_that_means_another_thing_is_not() -> None:
