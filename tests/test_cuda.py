@@ -17,6 +17,7 @@ from tests.reference_loops import (
     assert_same_parameters,
     make_batches,
     make_mlp,
+    replica_step,
     train_mirrored,
     train_plain,
 )
@@ -111,3 +112,23 @@ def test_central_storage_on_logical_gpus_matches_the_single_gpu_loop(
         assert state["exp_avg"].device.type == torch.device(parameter_device).type
     assert_same_parameters(reference, trained)
     assert_replicas_identical(trained)
+
+
+def test_traced_steps_on_logical_gpus_match_the_eager_ones(fresh_config):
+    """mirrored.function on logical GPUs: the pieces run as the graph's Python code there (no
+    TorchScript, no CUDA graphs yet), with the eager steps' results; dropout runs as written
+    (CUDA's kernel draws from the global generator), so the model has none."""
+    devices = _split_first_gpu(2)
+    batches = [(x.cuda(), y.cuda()) for x, y in make_batches()]
+    trained = []
+    for traced in (False, True):
+        with mirrored.MirroredStrategy(devices) as strategy:
+            model = make_mlp()
+            mirrored_model, optimizer = strategy.mirror(model, OPTIMIZERS["adam"](model))
+            step = mirrored.function(replica_step) if traced else replica_step
+            for batch in strategy.experimental_distribute_dataset(batches):
+                strategy.run(step, args=(batch, mirrored_model, optimizer))
+            if traced:
+                assert step.experimental_get_tracing_count() >= len(devices)
+        trained.append(model)
+    assert_same_parameters(*trained)
