@@ -37,6 +37,7 @@ __all__ = [
     "TorchDispatchMode",
     "amp_unscale_and_check_",
     "aten_takes_generator",
+    "backward_hooks_held",
     "body_without_torch_function_check",
     "caller_frame",
     "code_of",
@@ -265,6 +266,13 @@ _HOOK_ATTRIBUTES = {
     "backward": "_backward_hooks",
     "post_accumulate_grad": "_post_accumulate_grad_hooks",
 }
+
+
+def backward_hooks_held(tensor: torch.Tensor) -> dict[int, Callable[..., Any]] | None:
+    """The dict autograd reads ``tensor``'s ``register_hook`` hooks from (None without any):
+    removing an entry for a while, and putting it back, suspends that hook."""
+    held: dict[int, Callable[..., Any]] | None = tensor._backward_hooks
+    return held
 
 
 def parameter_hooks(tensor: torch.Tensor) -> dict[str, dict[int, Callable[..., Any]]]:

@@ -251,6 +251,20 @@ def test_in_place_edits_of_outside_tensors_happen_once_per_step() -> None:
     assert step.python_function.counter.item() == eager_step.counter.item() == 2 * 4
 
 
+def noisy_gradients(num_replicas: int, traced: bool) -> nn.Module:
+    """Two steps with a gradient-noise hook of the program's on a parameter: the hook draws
+    from the replica's random stream, as in an eager backward pass."""
+    model = make_model()
+    model[0].weight.register_hook(lambda grad: grad + 0.01 * torch.randn_like(grad))
+    trained, _, step = train(num_replicas, traced, model=model, data=batches(count=2))
+    assert not traced or replays(step)
+    return trained
+
+
+def test_a_program_s_gradient_hook_draws_from_the_replica_s_stream_when_traced() -> None:
+    assert_same_parameters(noisy_gradients(2, traced=False), noisy_gradients(2, traced=True))
+
+
 def test_batch_norm_buffers_are_aggregated_as_eager() -> None:
     traced, _, step = train(2, True, model=make_model(batch_norm=True))
     eager, _, _ = train(2, False, model=make_model(batch_norm=True))

@@ -25,7 +25,9 @@ __all__ = ["ReplicaStreams", "activation_checkpoint_contexts", "entered_streams"
 class ReplicaStreams(Protocol):
     """A replica's random streams (its ``ReplicaRandomness`` mode): where they are, and a way
     back there; which devices a step drew on, and their generators readied for a traced step's
-    replay."""
+    replay; what it is told as a backward pass starts."""
+
+    on_backward: Callable[[tuple[torch.Tensor, ...]], None] | None
 
     def position(self) -> Any: ...
 

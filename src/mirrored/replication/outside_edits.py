@@ -18,20 +18,23 @@ from __future__ import annotations
 
 import abc
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
-from mirrored._torch_internals import parameter_hooks, run_hooks_last
+from mirrored._torch_internals import backward_hooks_held, parameter_hooks, run_hooks_last
 
 __all__ = [
     "CarriesOutsideEdits",
     "OutsideEdits",
     "ReplicaCheck",
     "ReplicasDifferError",
+    "has_program_hooks",
     "internal_hook",
+    "program_hooks_suspended",
     "named_tensors",
     "tensors_of",
 ]
@@ -193,6 +196,36 @@ class OutsideEdits:
 
 # Hooks mirrored registers on every replica's parameters itself (the gradient reducer's).
 _INTERNAL_HOOKS: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
+
+
+def has_program_hooks(tensor: torch.Tensor) -> bool:
+    """Whether the program (not mirrored) registered a gradient hook on ``tensor``."""
+    return any(
+        hook not in _INTERNAL_HOOKS
+        for hooks in parameter_hooks(tensor).values()
+        for hook in hooks.values()
+    )
+
+
+@contextmanager
+def program_hooks_suspended(tensors: Sequence[torch.Tensor]) -> Iterator[None]:
+    """The program's ``register_hook`` hooks on ``tensors`` suspended in the block (mirrored's
+    own stay), then back in their order: a traced step's gradients are computed without them,
+    which run when the replay hands the gradients to autograd's accumulation."""
+    suspended = []
+    for tensor in tensors:
+        hooks = backward_hooks_held(tensor)
+        if hooks and any(hook not in _INTERNAL_HOOKS for hook in hooks.values()):
+            suspended.append((hooks, list(hooks.items())))
+            for key, hook in list(hooks.items()):
+                if hook not in _INTERNAL_HOOKS:
+                    del hooks[key]
+    try:
+        yield
+    finally:
+        for hooks, items in suspended:
+            hooks.clear()
+            hooks.update(items)
 
 
 def internal_hook(hook: HookT) -> HookT:

@@ -32,6 +32,7 @@ from torch.overrides import TorchFunctionMode
 
 from mirrored._torch_internals import (
     TorchDispatchMode,
+    disable_torch_function,
     is_fake,
     outside_dispatch_modes,
     tree_flatten,
@@ -41,6 +42,7 @@ from mirrored.core.context import current_replica_context
 from mirrored.core.trace_recording import HostCall, ResultSpec, TraceUnsupported, set_recording
 from mirrored.random.activation_checkpoint import entered_streams
 from mirrored.replication.global_batch_loss import check_loss_scaling
+from mirrored.replication.outside_edits import has_program_hooks, program_hooks_suspended
 from mirrored.tracing.host_op import HOST_CALL, fake_results
 
 __all__ = ["GRAPH_OUTPUT", "CallInputs", "Capture", "capture"]
@@ -165,7 +167,7 @@ class _Recorder(TorchFunctionMode):
 
         def accumulate(tensors: list[torch.Tensor]) -> None:
             leaves_now = [call_inputs.tensors[t] if isinstance(t, int) else t for t in targets]
-            torch.autograd.backward(leaves_now, tensors)
+            _accumulate(leaves_now, tensors)
 
         self.host_call(accumulate, [grad for _, grad in used])
 
@@ -180,6 +182,23 @@ class _Recorder(TorchFunctionMode):
                 "on a new tensor); make it outside the step, or use torch.autograd.grad"
             )
         return leaf
+
+
+def _accumulate(leaves: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    """Autograd's accumulation of a replay's gradients into ``leaves``, with their hooks (the
+    gradient reducer's). Eagerly a backward pass runs under the replica's random streams, for
+    the random ops in it; with no hook of the program's on the leaves nothing in this one
+    draws, and it runs without their routing (a Python call for each op in the reducer's
+    hooks): the streams are only told of it, as of any backward pass."""
+    streams = entered_streams()
+    if not streams or any(has_program_hooks(leaf) for leaf in leaves):
+        torch.autograd.backward(leaves, grads)
+        return
+    observe = streams[-1].on_backward
+    if observe is not None:
+        observe(tuple(leaves))
+    with disable_torch_function():
+        torch.autograd.backward(leaves, grads)
 
 
 def _leaves_of(roots: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -297,7 +316,8 @@ def _trace_under_stand_ins(
     try:
         for p, stand_in in zip(params, stand_ins, strict=True):
             p.grad = stand_in
-        graph = make_fx(flat_fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*tensors)
+        with program_hooks_suspended(params):
+            graph = make_fx(flat_fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*tensors)
         _check_gradients_untouched(graph, params, stand_ins)
         return graph
     finally:
