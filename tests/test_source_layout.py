@@ -8,6 +8,7 @@ checked by ``lint-imports`` in the test command.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,3 +64,15 @@ def test_no_example_function_is_over_the_line_limit():
     assert grown == {}, f"split these functions (at most {MAX_FUNCTION_LINES} lines)"
     split = set(LONG_EXAMPLE_FUNCTIONS) - set(_long_functions(EXAMPLES))
     assert not split, f"within the limit now: take {sorted(split)} off LONG_EXAMPLE_FUNCTIONS"
+
+
+def test_every_package_ships() -> None:
+    """pyproject.toml lists the packages a wheel holds: each one under src/mirrored must be
+    there (an editable install finds an unlisted one, a wheel does not)."""
+    setuptools = (ROOT / "pyproject.toml").read_text().split("[tool.setuptools]", 1)[1]
+    listed = set(re.findall(r'"([\w.]+)"', setuptools.split("]", 1)[0]))
+    packages = {
+        ".".join(path.parent.relative_to(SOURCE.parent).parts)
+        for path in SOURCE.rglob("__init__.py")
+    }
+    assert packages - listed == set(), "add them to [tool.setuptools] packages"
