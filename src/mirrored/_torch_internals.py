@@ -28,13 +28,11 @@ from typing import Any
 
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase
-from torch.utils._python_dispatch import TorchDispatchMode  # a mode that sees every ATen op
 
 __all__ = [
     "BatchNormBase",
     "PRIVATE_SAMPLERS",
     "TESTED_TORCH",
-    "TorchDispatchMode",
     "amp_unscale_and_check_",
     "aten_takes_generator",
     "backward_hooks_held",
@@ -43,15 +41,9 @@ __all__ = [
     "code_of",
     "disable_torch_function",
     "foreach_mul_",
-    "is_fake",
     "is_functorch_wrapped",
-    "key_path_name",
     "mark_step_called",
-    "outside_dispatch_modes",
     "outside_functorch",
-    "overload_packet",
-    "overload_keywords",
-    "overload_schema",
     "parameter_names",
     "parameter_hooks",
     "run_hooks_last",
@@ -60,11 +52,7 @@ __all__ = [
     "replace_gradient_readers",
     "required",
     "safe_softmax",
-    "script_schemas",
     "share_step_hooks",
-    "tree_flatten",
-    "tree_flatten_with_path",
-    "tree_unflatten",
     "unrecognised_checkpoint",
     "unrecognised_clipping",
     "untested_torch",
@@ -427,83 +415,3 @@ def replace_gradient_readers(
     grouping = module._group_tensors_by_device_and_dtype
     replace(module, "_group_tensors_by_device_and_dtype", wrap(grouping, lambda lists: lists[0]))
     replace(module, "_clip_grads_with_norm_", wrap(module._clip_grads_with_norm_, lambda p: p))
-
-
-# -- traced steps (mirrored.tracing) -----------------------------------------------------------
-def is_fake(tensor: Any) -> bool:
-    """A fake tensor (shapes and dtypes, no data): what a step being traced computes with."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return isinstance(tensor, FakeTensor)
-
-
-def overload_packet(target: Any) -> Any:
-    """An ATen op overload's packet (``aten.add.Tensor`` -> ``aten.add``), which TorchScript
-    resolves by its arguments' types; any other target as it is."""
-    from torch._ops import OpOverload
-
-    return target.overloadpacket if isinstance(target, OpOverload) else target
-
-
-def overload_schema(target: Any) -> str | None:
-    """An ATen op overload's schema as text (``aten::view.dtype(Tensor(a) self, ...)``); None
-    for any other target."""
-    from torch._ops import OpOverload
-
-    return str(target._schema) if isinstance(target, OpOverload) else None
-
-
-def overload_keywords(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """An ATen op overload's arguments, each by its schema's name for it."""
-    names = [argument.name for argument in target._schema.arguments]
-    return {**dict(zip(names, args, strict=False)), **kwargs}
-
-
-def script_schemas(scripted: Any) -> list[str]:
-    """The schemas of the ATen ops a scripted module's ``forward`` calls, in order: which
-    overloads TorchScript resolved."""
-    return [
-        str(node.schema())
-        for node in scripted.forward.graph.nodes()
-        if node.kind().startswith("aten::")
-    ]
-
-
-def tree_flatten_with_path(tree: Any) -> tuple[list[tuple[Any, Any]], Any]:
-    """torch's pytree flattening of ``tree`` with each leaf's path, and the tree's spec."""
-    from torch.utils import _pytree
-
-    return _pytree.tree_flatten_with_path(tree)
-
-
-def tree_flatten(tree: Any) -> tuple[list[Any], Any]:
-    from torch.utils import _pytree
-
-    return _pytree.tree_flatten(tree)
-
-
-def tree_unflatten(leaves: list[Any], spec: Any) -> Any:
-    from torch.utils import _pytree
-
-    return _pytree.tree_unflatten(leaves, spec)
-
-
-def key_path_name(path: Any) -> str:
-    """A pytree leaf's path as Python would index it (``[0]['x']``)."""
-    from torch.utils import _pytree
-
-    return _pytree.keystr(path)
-
-
-def outside_dispatch_modes() -> AbstractContextManager[Any]:
-    """Real tensors and real kernels inside a step being traced: neither the tracer's mode nor
-    fake tensors' while the block runs."""
-    from contextlib import ExitStack
-
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
-
-    stack = ExitStack()
-    stack.enter_context(disable_proxy_modes_tracing())
-    stack.enter_context(unset_fake_temporarily())
-    return stack

@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from mirrored._torch_internals import tree_flatten, tree_unflatten
+from mirrored._torch_tracing import tree_flatten, tree_unflatten
 
 __all__ = [
     "HostCall",

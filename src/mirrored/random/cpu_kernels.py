@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from mirrored._torch_internals import is_fake, is_functorch_wrapped, safe_softmax
+from mirrored._torch_internals import is_functorch_wrapped, safe_softmax
+from mirrored._torch_tracing import is_fake
 
 __all__ = ["cpu_attention", "cpu_dropout", "is_plain", "math_attention_fits"]
 

@@ -15,7 +15,8 @@ import threading
 
 import torch
 
-from mirrored._torch_internals import outside_dispatch_modes, outside_functorch
+from mirrored._torch_internals import outside_functorch
+from mirrored._torch_tracing import outside_dispatch_modes
 
 __all__ = ["StepSeed", "global_generators_lock"]
 

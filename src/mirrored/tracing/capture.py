@@ -30,9 +30,9 @@ from torch import fx, nn
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.overrides import TorchFunctionMode
 
-from mirrored._torch_internals import (
+from mirrored._torch_internals import disable_torch_function
+from mirrored._torch_tracing import (
     TorchDispatchMode,
-    disable_torch_function,
     is_fake,
     outside_dispatch_modes,
     tree_flatten,

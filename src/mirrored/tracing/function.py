@@ -34,7 +34,7 @@ from typing import Any, TypeVar, overload
 import torch
 from torch import nn
 
-from mirrored._torch_internals import key_path_name, tree_flatten, tree_flatten_with_path
+from mirrored._torch_tracing import key_path_name, tree_flatten, tree_flatten_with_path
 from mirrored.core.context import current_replica_context
 from mirrored.core.trace_recording import TraceUnsupported
 from mirrored.core.user_frames import user_stacklevel

@@ -23,7 +23,7 @@ import torch
 from torch import fx, nn
 from torch.fx.passes.split_module import split_module
 
-from mirrored._torch_internals import (
+from mirrored._torch_tracing import (
     overload_keywords,
     overload_packet,
     overload_schema,
