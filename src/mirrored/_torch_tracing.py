@@ -91,14 +91,17 @@ def key_path_name(path: Any) -> str:
 
 
 def outside_dispatch_modes() -> AbstractContextManager[Any]:
-    """Real tensors and real kernels inside a step being traced: neither the tracer's mode nor
-    fake tensors' while the block runs."""
+    """Real tensors and real kernels inside a step being traced: no dispatch mode (the
+    tracer's, fake tensors', the trace's own) while the block runs."""
     from contextlib import ExitStack
 
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
+    from torch.utils._python_dispatch import _disable_current_modes
+
     stack = ExitStack()
+    stack.enter_context(_disable_current_modes())  # the trace's own (mirrored's undoing mode)
     stack.enter_context(disable_proxy_modes_tracing())
     stack.enter_context(unset_fake_temporarily())
     return stack

@@ -474,3 +474,87 @@ def test_a_traced_function_pickles_as_its_function() -> None:
 def test_not_a_function_is_refused() -> None:
     with pytest.raises(TypeError, match="expects a function"):
         mirrored.function(3)  # type: ignore[call-overload]
+
+
+def test_sync_batch_norm_s_meetings_run_as_written_without_a_hang() -> None:
+    def trained(traced: bool) -> nn.Module:
+        torch.manual_seed(5)
+        strategy = mirrored.MirroredStrategy(DEVICES[:2])
+        model = make_model(batch_norm=True)
+        mirrored_model, optimizer = strategy.mirror(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), sync_batch_norm=True
+        )
+        step = standard_step(mirrored_model, optimizer)
+        step = mirrored.function(step) if traced else step
+        for x, y in strategy.experimental_distribute_dataset(batches(count=2)):
+            strategy.run(step, args=(x, y))
+        return model
+
+    with pytest.warns(RuntimeWarning, match="a meeting of the replicas inside the step"):
+        traced = trained(True)
+    assert_same_parameters(trained(False), traced)
+
+
+def test_the_value_of_a_tensor_held_outside_is_not_frozen() -> None:
+    strategy = mirrored.MirroredStrategy(DEVICES[:1])
+    scale = torch.tensor(2.0)
+
+    @mirrored.function
+    def scaled(x: torch.Tensor) -> torch.Tensor:
+        return x * scale.item()
+
+    with pytest.warns(RuntimeWarning, match="reads the value of a tensor held outside it"):
+        assert strategy.run(scaled, args=(torch.ones(1),)).item() == 2.0
+    scale.fill_(5.0)
+    assert strategy.run(scaled, args=(torch.ones(1),)).item() == 5.0
+
+
+class _Batch:
+    """A container torch's pytrees do not open (as Transformers' BatchEncoding)."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.x = x
+
+
+def test_an_argument_that_is_no_value_runs_as_written() -> None:
+    strategy = mirrored.MirroredStrategy(DEVICES[:1])
+
+    @mirrored.function
+    def total(batch: _Batch) -> torch.Tensor:
+        return batch.x.sum()
+
+    with pytest.warns(RuntimeWarning, match=r"argument \[0\] is neither a tensor nor a value"):
+        assert strategy.run(total, args=(_Batch(torch.ones(2)),)).item() == 2.0
+    assert strategy.run(total, args=(_Batch(torch.ones(3)),)).item() == 3.0
+    assert total.experimental_get_tracing_count() == 0
+
+
+def test_autocast_is_part_of_the_signature() -> None:
+    strategy = mirrored.MirroredStrategy(DEVICES[:1])
+    layer = strategy.mirror(nn.Linear(4, 4).float())
+
+    @mirrored.function
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return layer(x)
+
+    x = torch.ones(2, 4, dtype=torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert strategy.run(forward, args=(x,)).dtype == torch.bfloat16
+    assert strategy.run(forward, args=(x,)).dtype == torch.float32
+    assert forward.experimental_get_tracing_count() == 2
+
+
+def test_backward_into_a_tensor_outside_the_mirrored_modules_runs_as_written() -> None:
+    strategy = mirrored.MirroredStrategy(DEVICES[:1])
+    weight = torch.ones(3, requires_grad=True)
+    weight.register_hook(lambda grad: grad * 2)
+
+    @mirrored.function
+    def step(x: torch.Tensor) -> torch.Tensor:
+        loss = (weight * x).sum()
+        loss.backward()
+        return loss
+
+    with pytest.warns(RuntimeWarning, match="no parameter of a mirrored module"):
+        strategy.run(step, args=(torch.ones(3),))
+    assert weight.grad is not None and weight.grad.tolist() == [2.0, 2.0, 2.0]  # hooked once

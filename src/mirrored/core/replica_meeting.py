@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from mirrored.core.trace_recording import refuse_while_recording
+
 __all__ = [
     "ReplicaMeeting",
     "ReplicaAbortedError",
@@ -76,7 +78,10 @@ class ReplicaMeeting:
             self.busy_seconds[replica_id] = time.perf_counter() - self._started[replica_id]
 
     def exchange(self, replica_id: int, label: str, value: Any) -> list[Any]:
-        """Post ``value`` at the sync point ``label``; return every replica's value, in order."""
+        """Post ``value`` at the sync point ``label``; return every replica's value, in order.
+        Refused in a step being traced (:func:`mirrored.function`): replicas trace one at a time,
+        and the values would be fake."""
+        refuse_while_recording(f"a meeting of the replicas inside the step ({label})")
         self._mark_busy(replica_id)
         if self.num_replicas == 1:
             return [value]

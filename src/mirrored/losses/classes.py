@@ -43,7 +43,8 @@ __all__ = [
     "function_name",
 ]
 
-_NO_IGNORED_CLASS = -(2**63)  # an ignore_index for F.cross_entropy that no class id equals
+# An ignore_index for F.cross_entropy that no class id equals (and TorchScript can write).
+_NO_IGNORED_CLASS = -(2**63) + 1
 _EPSILON = 1e-7  # keras.backend.epsilon(): probabilities are clipped to [eps, 1 - eps]
 # How far outside [0, 1] "probabilities" may stray (rounding) before the first-call check calls
 # them logits.

@@ -107,11 +107,12 @@ def _check_gradients_untouched(
 class _Recorder(TorchFunctionMode):
     """Records host calls, and ``backward()`` as gradients plus a host call."""
 
-    def __init__(self, inputs: CallInputs) -> None:
+    def __init__(self, inputs: CallInputs, params: Sequence[torch.Tensor]) -> None:
         super().__init__()
         self.host_calls: dict[int, HostCall] = {}
         self.fake_inputs: dict[int, int] = {}  # id of a traced input -> its position
         self.inputs = inputs
+        self._params = {id(p) for p in params}  # the replica's: their .grad has stand-ins
 
     def host_call(
         self,
@@ -158,9 +159,11 @@ class _Recorder(TorchFunctionMode):
             leaves = _leaves_of(roots)
         else:
             leaves = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
-        grads = torch.autograd.grad(
-            roots, leaves, gradient, retain_graph=retain_graph, allow_unused=True
-        )
+        # The program's hooks on the leaves run at the replay's accumulation, not in the graph.
+        with program_hooks_suspended([leaf for leaf in leaves if not is_fake(leaf)]):
+            grads = torch.autograd.grad(
+                roots, leaves, gradient, retain_graph=retain_graph, allow_unused=True
+            )
         used = [(leaf, grad) for leaf, grad in zip(leaves, grads, strict=True) if grad is not None]
         targets = [self._target(leaf) for leaf, _ in used]
         call_inputs = self.inputs
@@ -180,6 +183,12 @@ class _Recorder(TorchFunctionMode):
             raise TraceUnsupported(
                 "backward() accumulates into a tensor made inside the step (requires_grad=True "
                 "on a new tensor); make it outside the step, or use torch.autograd.grad"
+            )
+        if id(leaf) not in self._params:
+            raise TraceUnsupported(
+                f"backward() accumulates into a tensor of shape {tuple(leaf.shape)} that is no "
+                "parameter of a mirrored module (its .grad is read and set by the program, "
+                "where a trace cannot follow it); mirror the module that holds it"
             )
         return leaf
 
@@ -233,7 +242,7 @@ def capture(
     flat, spec = tree_flatten((args, kwargs))
     positions = [i for i, leaf in enumerate(flat) if isinstance(leaf, torch.Tensor)]
     inputs = CallInputs()
-    recorder = _Recorder(inputs)
+    recorder = _Recorder(inputs, params)
     writes = _RealWritesUndone()
     outputs: dict[str, Any] = {}
 
@@ -277,6 +286,14 @@ class _RealWritesUndone(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if torch.Tag.data_dependent_output in func.tags and not any(
+            is_fake(t) for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)
+        ):
+            raise TraceUnsupported(
+                "the step reads the value of a tensor held outside it (.item(), float(), "
+                ".tolist() of a parameter, a buffer, a global), which a replay would not read "
+                "again; compute with the tensor instead, or pass the value as an argument"
+            )
         schema = func._schema
         if schema.is_mutable:
             for position, argument in enumerate(schema.arguments):
@@ -316,8 +333,7 @@ def _trace_under_stand_ins(
     try:
         for p, stand_in in zip(params, stand_ins, strict=True):
             p.grad = stand_in
-        with program_hooks_suspended(params):
-            graph = make_fx(flat_fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*tensors)
+        graph = make_fx(flat_fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*tensors)
         _check_gradients_untouched(graph, params, stand_ins)
         return graph
     finally:

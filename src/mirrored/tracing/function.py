@@ -23,8 +23,10 @@ with one warning naming the reason; it is never replayed stale.
 
 from __future__ import annotations
 
+import enum
 import functools
 import traceback
+import types
 import warnings
 import weakref
 from collections.abc import Callable, Hashable
@@ -61,7 +63,7 @@ class _Replica:
 
     def __init__(self) -> None:
         self.traces: dict[Hashable, Replay | _Eager] = {}
-        self.last: _Signature | None = None
+        self.last: tuple[Hashable, ...] | None = None  # the last trace's signature
 
 
 class _Signature:
@@ -73,29 +75,40 @@ class _Signature:
         leaves, spec = tree_flatten((args, kwargs))
         self.leaves = leaves
         self._given = (args, kwargs)
+        keys = [_leaf_key(leaf) for leaf in leaves]
+        # An argument that is neither a tensor nor a value (a batch in a container torch's
+        # pytrees do not open, a mutable object): a trace could neither key nor read it.
+        self.refused = next(
+            (self._names()[i] for i, key in enumerate(keys) if key is _NOT_A_VALUE), None
+        )
         self.parts: tuple[Hashable, ...] = (
             spec,
-            tuple(_leaf_key(leaf) for leaf in leaves),
-            torch.is_grad_enabled(),
+            tuple(keys),
+            _modes(),
             tuple(_module_key(module) for module in modules),
         )
         self.key = hash(self.parts), self.parts
 
-    def changes_since(self, other: _Signature) -> list[str]:
-        """The parts that differ from ``other``'s, named for a warning."""
+    def _names(self) -> list[str]:
+        return [
+            "argument " + key_path_name(path[1:])
+            for path, _ in tree_flatten_with_path(self._given)[0]
+        ]
+
+    def changes_since(self, other: tuple[Hashable, ...]) -> list[str]:
+        """The parts that differ from ``other`` (an earlier signature's parts), named."""
         spec, leaves, grad_mode, modules = self.parts
-        old_spec, old_leaves, old_grad_mode, old_modules = other.parts
+        old_spec, old_leaves, old_grad_mode, old_modules = other
         if spec != old_spec:
             return ["the arguments' structure"]
-        paths = [path for path, _ in tree_flatten_with_path(self._given)[0]]
         assert isinstance(leaves, tuple) and isinstance(old_leaves, tuple)
         changed = [
-            "argument " + key_path_name(path[1:])
-            for path, new, old in zip(paths, leaves, old_leaves, strict=True)
+            name
+            for name, new, old in zip(self._names(), leaves, old_leaves, strict=True)
             if new != old
         ]
         if grad_mode != old_grad_mode:
-            changed.append("grad mode")
+            changed.append("grad mode, inference mode or autocast")
         if modules != old_modules:
             changed.append("the mirrored modules (their training flags, tensors or requires_grad)")
         return changed
@@ -130,14 +143,52 @@ def _innermost_outside_libraries(error: Exception) -> str | None:
 _LIBRARIES = (str(Path(torch.__file__).parent), str(Path(__file__).parents[1]), "<")
 
 
+def _modes() -> Hashable:
+    """The thread's modes a trace bakes in: grad mode, inference mode, autocast (each device
+    type's on/off and dtype decide the casts the graph records)."""
+    return (
+        torch.is_grad_enabled(),
+        torch.is_inference_mode_enabled(),
+        tuple(
+            (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
+            for kind in _AUTOCAST_DEVICES
+        ),
+    )
+
+
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+# Arguments a trace keys by value; modules, optimizers and functions it keys by identity (held
+# by the key, so an identity is never another object's), their Python state read at tracing.
+_VALUES = (bool, int, float, complex, str, bytes, type(None), enum.Enum, torch.dtype, torch.device)
+_PROGRAM_OBJECTS = (nn.Module, torch.optim.Optimizer, types.FunctionType, types.MethodType)
+_NOT_A_VALUE = object()
+
+
 def _leaf_key(leaf: Any) -> Hashable:
+    """A tensor's shape, dtype, device, requires_grad and layout; a value's type and value; a
+    module's, an optimizer's or a function's identity; else ``_NOT_A_VALUE``."""
     if isinstance(leaf, torch.Tensor):
         return (leaf.shape, leaf.dtype, leaf.device, leaf.requires_grad, leaf.layout)
-    try:
-        hash(leaf)
-    except TypeError:
-        return (type(leaf), id(leaf))
-    return (type(leaf), leaf)
+    if isinstance(leaf, _VALUES):
+        return (type(leaf), leaf)
+    if isinstance(leaf, _PROGRAM_OBJECTS) or callable(leaf):
+        return (type(leaf), _Held(leaf))
+    return _NOT_A_VALUE
+
+
+class _Held:
+    """An object in a trace's key by identity, held so that its id is never another's."""
+
+    def __init__(self, held: object) -> None:
+        self.held = held
+
+    def __hash__(self) -> int:
+        return id(self.held)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Held) and other.held is self.held
 
 
 def _module_key(module: nn.Module) -> Hashable:
@@ -190,6 +241,12 @@ class TracedFunction:
         replicas = self._replicas.setdefault(strategy, {})
         state = replicas.setdefault(local_id, _Replica())
         signature = _Signature(args, kwargs, modules)
+        if signature.refused is not None:
+            self._eager(
+                f"{signature.refused} is neither a tensor nor a value a trace can key (a number, "
+                "a string, a module, a function); pass its tensors in a tuple, list or dict"
+            )
+            return self.python_function(*args, **kwargs)
         trace = state.traces.get(signature.key)
         if trace is None:
             trace = self._trace(state, signature, args, kwargs, modules)
@@ -228,7 +285,7 @@ class TracedFunction:
         return _Eager(reason)
 
     def _warn_retracing(self, state: _Replica, signature: _Signature) -> None:
-        previous, state.last = state.last, signature
+        previous, state.last = state.last, signature.parts
         if self._warned_retrace or len(state.traces) < RETRACE_WARNING or previous is None:
             return
         self._warned_retrace = True

@@ -12,6 +12,7 @@ Python's dispatch per op.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import operator
 import threading
@@ -196,6 +197,14 @@ def _op_name(schema: str) -> str:
     return schema.split("(", 1)[0].partition(".")[0]
 
 
+def _without_autocast() -> contextlib.ExitStack:
+    stack = contextlib.ExitStack()
+    for kind in ("cpu", "cuda"):
+        if torch.is_autocast_enabled(kind):
+            stack.enter_context(torch.autocast(kind, enabled=False))
+    return stack
+
+
 class Replay:
     """A captured step, ready to run again on new tensors of the same signature."""
 
@@ -232,7 +241,9 @@ class Replay:
         prepare()
         capture.inputs.tensors = tensors
         try:
-            with torch.no_grad():
+            # The graph holds the casts autocast made while tracing (autocast is part of the
+            # signature): autocast applied again to the replayed ops would cast twice.
+            with torch.no_grad(), _without_autocast():
                 results = self._cut.forward(*tensors)
         finally:
             capture.inputs.tensors = []
