@@ -97,7 +97,6 @@ def outside_dispatch_modes() -> AbstractContextManager[Any]:
 
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
-
     from torch.utils._python_dispatch import _disable_current_modes
 
     stack = ExitStack()

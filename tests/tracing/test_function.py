@@ -415,7 +415,7 @@ def test_a_trace_changes_no_state_before_it_replays() -> None:
         optimizer.zero_grad()
         return loss
 
-    captured = strategy.run(lambda: capture(step, (), {}, list(model.parameters())))
+    captured = strategy.run(lambda: capture(step, (), {}, [model]))
     assert len(captured.host_calls) == 3  # backward's gradients, step(), zero_grad()
     for a, b in zip(before, model.parameters(), strict=True):
         assert torch.equal(a, b)
@@ -558,3 +558,56 @@ def test_backward_into_a_tensor_outside_the_mirrored_modules_runs_as_written() -
     with pytest.warns(RuntimeWarning, match="no parameter of a mirrored module"):
         strategy.run(step, args=(torch.ones(3),))
     assert weight.grad is not None and weight.grad.tolist() == [2.0, 2.0, 2.0]  # hooked once
+
+
+class _Cached(nn.Module):
+    """A module that builds a tensor on its first call and keeps it (a rotary or mask cache)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 3)
+        self.cache: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cache is None:
+            self.cache = torch.arange(3.0)
+        return self.linear(x) + self.cache
+
+
+def test_a_tensor_a_step_stores_on_a_module_is_refused_and_left_real() -> None:
+    strategy = mirrored.MirroredStrategy(DEVICES[:1])
+    model = strategy.mirror(_Cached())
+
+    @mirrored.function
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return model(x)
+
+    x = torch.ones(1, 3)
+    with pytest.warns(RuntimeWarning, match="stores a tensor it computes on a module"):
+        result = strategy.run(forward, args=(x,))
+    assert torch.equal(result, model.module(x))
+    assert type(model.module.cache) is torch.Tensor  # real, not the trace's fake
+
+
+def test_a_module_the_strategy_does_not_mirror_is_in_the_signature() -> None:
+    strategy = mirrored.MirroredStrategy(DEVICES[:1])
+    model = strategy.mirror(nn.Linear(64, 64))
+    teacher_dropout = nn.Dropout(0.5)  # not mirrored: a loss's or a teacher's module
+
+    @mirrored.function
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return teacher_dropout(model(x))
+
+    x = torch.ones(1, 64)
+    strategy.run(forward, args=(x,))
+    teacher_dropout.eval()
+    assert torch.equal(strategy.run(forward, args=(x,)), model.module(x))  # no dropout now
+    assert forward.experimental_get_tracing_count() == 2
+
+
+def test_closing_a_strategy_drops_the_traces_made_on_it() -> None:
+    traced, _, step = train(2, True, data=batches(count=1))
+    strategy = traced._strategy
+    assert step._replicas[strategy]  # the two replicas' traces
+    strategy.close()
+    assert not step._replicas.get(strategy)

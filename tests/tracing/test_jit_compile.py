@@ -13,6 +13,7 @@ from torch import nn
 
 import mirrored
 from tests.reference_loops import assert_same_parameters
+from tests.tracing.traces import replays
 
 pytestmark = pytest.mark.usefixtures("float64")
 
@@ -63,7 +64,9 @@ def test_fit_evaluate_and_predict_traced_match_eager() -> None:
         traced_predictions, eager.predict(x, batch_size=8, verbose=0), rtol=1e-12
     )
     # Two batch signatures (16 and the last 12), on two replicas, for fit's step.
-    assert traced._compiled()._traced["learn"].experimental_get_tracing_count() == 4
+    learn = traced._compiled()._traced["learn"]
+    assert learn.experimental_get_tracing_count() == 4
+    assert replays(learn)  # TorchScript ran every piece (fit's default loss included)
 
 
 def test_a_torch_scheduler_steps_outside_the_traced_step() -> None:

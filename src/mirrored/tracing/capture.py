@@ -18,16 +18,18 @@ torch's global generator can serve, a second derivative.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import itertools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import fx, nn
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.overrides import TorchFunctionMode
 
 from mirrored._torch_internals import disable_torch_function
@@ -43,7 +45,7 @@ from mirrored.core.trace_recording import HostCall, ResultSpec, TraceUnsupported
 from mirrored.random.activation_checkpoint import entered_streams
 from mirrored.replication.global_batch_loss import check_loss_scaling
 from mirrored.replication.outside_edits import has_program_hooks, program_hooks_suspended
-from mirrored.tracing.host_op import HOST_CALL, fake_results
+from mirrored.tracing.host_op import HOST_CALL, fake_results, forget_fake_results
 
 __all__ = ["GRAPH_OUTPUT", "CallInputs", "Capture", "capture"]
 
@@ -73,6 +75,7 @@ class Capture:
     output_spec: Any  # torch pytree spec of the result
     output_leaves: list[Any]  # GRAPH_OUTPUT where a graph output goes, else the constant itself
     drawn_devices: tuple[torch.device, ...]
+    called_modules: list[nn.Module]  # every module the step called (their flags are read)
 
 
 def _stand_in(param: torch.Tensor) -> torch.Tensor:
@@ -234,11 +237,12 @@ def capture(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    params: Sequence[nn.Parameter],
+    modules: Sequence[nn.Module],
 ) -> Capture:
-    """Trace ``fn(*args, **kwargs)`` on this thread; ``params``: the replica's parameters,
-    whose ``.grad`` only host calls may use. Raises :class:`TraceUnsupported` (or the step's
-    own error) without having changed any state."""
+    """Trace ``fn(*args, **kwargs)`` on this thread; ``modules``: the replica's mirrored
+    modules, whose parameters' ``.grad`` only host calls may use. Raises
+    :class:`TraceUnsupported` (or the step's own error) without having changed any state."""
+    params = list({id(p): p for m in modules for p in m.parameters()}.values())
     flat, spec = tree_flatten((args, kwargs))
     positions = [i for i, leaf in enumerate(flat) if isinstance(leaf, torch.Tensor)]
     inputs = CallInputs()
@@ -258,13 +262,16 @@ def capture(
         outputs["leaves"] = [GRAPH_OUTPUT if isinstance(o, torch.Tensor) else o for o in out_leaves]
         return [o for o in out_leaves if isinstance(o, torch.Tensor)]
 
-    with _tracing:
+    called: dict[int, nn.Module] = {}
+    with _tracing, _modules_kept(modules), _calls_of_modules(called):
         try:
             graph = _trace_under_stand_ins(flat_fn, [flat[i] for i in positions], recorder, params)
         finally:
             writes.undo()
+            forget_fake_results(recorder.host_calls)
     streams = entered_streams()
     return Capture(
+        called_modules=list(called.values()),
         graph=graph,
         host_calls=recorder.host_calls,
         inputs=inputs,
@@ -319,6 +326,55 @@ class _RealWritesUndone(TorchDispatchMode):
                 if not torch.equal(tensor, value):
                     tensor.copy_(value)
         self._saved.clear()
+
+
+@contextlib.contextmanager
+def _modules_kept(roots: Sequence[nn.Module]) -> Iterator[None]:
+    """A tensor the step computes and stores on a module (a cache built on first use) would be
+    a fake tensor left there by the trace, and never stored by a replay: the modules' tensors
+    are put back as they were, and the step is refused."""
+    modules = list({id(m): m for root in roots for m in root.modules()}.values())
+    saved = [(m, dict(m.__dict__), dict(m._parameters), dict(m._buffers)) for m in modules]
+    try:
+        yield
+    finally:
+        stored = any(_holds_fake(m) for m in modules)
+        for module, attributes, parameters, buffers in saved if stored else ():
+            module.__dict__.update(attributes)
+            module._parameters.clear()
+            module._parameters.update(parameters)
+            module._buffers.clear()
+            module._buffers.update(buffers)
+    if stored:  # only when the trace itself went through: its own error goes first
+        raise TraceUnsupported(
+            "the step stores a tensor it computes on a module (a cache built on its first call), "
+            "which a replay would not store; run the step once without mirrored.function first"
+        )
+
+
+def _holds_fake(module: nn.Module) -> bool:
+    values = [*module.__dict__.values(), *module._parameters.values(), *module._buffers.values()]
+    for value in values:
+        inner = value.values() if isinstance(value, dict) else value
+        items = inner if isinstance(value, (list, tuple, dict)) else [value]
+        if any(is_fake(item) for item in items):
+            return True
+    return False
+
+
+@contextlib.contextmanager
+def _calls_of_modules(called: dict[int, nn.Module]) -> Iterator[None]:
+    """Every module the step calls while it traces, into ``called`` (a module the strategy
+    does not mirror, a teacher or a loss, is one whose training flag the trace reads)."""
+
+    def record(module: nn.Module, _: Any) -> None:
+        called[id(module)] = module
+
+    handle = register_module_forward_pre_hook(record)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def _trace_under_stand_ins(

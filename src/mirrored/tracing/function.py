@@ -31,7 +31,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Hashable
 from pathlib import Path
-from typing import Any, TypeVar, overload
+from typing import Any, Protocol, TypeVar, overload, runtime_checkable
 
 import torch
 from torch import nn
@@ -44,7 +44,7 @@ from mirrored.random.activation_checkpoint import entered_streams
 from mirrored.tracing.capture import capture
 from mirrored.tracing.replay import Replay
 
-__all__ = ["RETRACE_WARNING", "TracedFunction", "function"]
+__all__ = ["RETRACE_WARNING", "MirrorsModules", "TracedFunction", "function"]
 
 RETRACE_WARNING = 5  # traces of one replica before a warning, as tf.function's
 
@@ -58,11 +58,32 @@ class _Eager:
         self.reason = reason
 
 
+@runtime_checkable
+class MirrorsModules(Protocol):
+    """A strategy whose replicas are copies of the modules it mirrored (the replicated family):
+    the strategies a step traces under."""
+
+    def replica_modules(self, local_replica_id: int) -> list[nn.Module]: ...
+
+    def at_close(self, release: Callable[[], None]) -> None: ...
+
+
+class _StrategyTraces(dict[int, "_Replica"]):
+    """A function's traces on one strategy's replicas, by replica; dropped when the strategy
+    closes (they hold its modules, optimizers and their closures)."""
+
+    def release(self) -> None:
+        self.clear()
+
+
 class _Replica:
     """One replica's traces of a function."""
 
     def __init__(self) -> None:
         self.traces: dict[Hashable, Replay | _Eager] = {}
+        # Modules the step calls beyond the mirrored ones (a teacher, a loss with dropout):
+        # their flags and tensors are part of the signature from the first trace that met them.
+        self.called: dict[int, nn.Module] = {}
         self.last: tuple[Hashable, ...] | None = None  # the last trace's signature
 
 
@@ -143,6 +164,17 @@ def _innermost_outside_libraries(error: Exception) -> str | None:
 _LIBRARIES = (str(Path(torch.__file__).parent), str(Path(__file__).parents[1]), "<")
 
 
+def _called_beyond(state: _Replica, trace: Replay, modules: list[nn.Module]) -> bool:
+    """Add the modules ``trace`` called that no mirrored module holds to ``state.called``;
+    whether there were new ones."""
+    held = {id(m) for root in modules for m in root.modules()}
+    new = {
+        id(m): m for m in trace.called_modules if id(m) not in held and id(m) not in state.called
+    }
+    state.called.update(new)
+    return bool(new)
+
+
 def _modes() -> Hashable:
     """The thread's modes a trace bakes in: grad mode, inference mode, autocast (each device
     type's on/off and dtype decide the casts the graph records)."""
@@ -214,7 +246,7 @@ class TracedFunction:
         self.python_function = fn
         self._name: str = getattr(fn, "__qualname__", repr(fn))
         functools.update_wrapper(self, fn)
-        self._replicas: weakref.WeakKeyDictionary[Any, dict[int, _Replica]] = (
+        self._replicas: weakref.WeakKeyDictionary[Any, _StrategyTraces] = (
             weakref.WeakKeyDictionary()
         )
         self._warned: set[str] = set()
@@ -233,14 +265,16 @@ class TracedFunction:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         replica = current_replica_context()
         strategy = None if replica is None else replica.strategy
-        modules_of = getattr(strategy, "replica_modules", None)
-        if replica is None or modules_of is None:
+        if replica is None or not isinstance(strategy, MirrorsModules):
             return self.python_function(*args, **kwargs)
         local_id = replica.local_replica_id
-        modules = modules_of(local_id)
-        replicas = self._replicas.setdefault(strategy, {})
+        replicas = self._replicas.get(strategy)
+        if replicas is None:
+            replicas = self._replicas[strategy] = _StrategyTraces()
+            strategy.at_close(replicas.release)
         state = replicas.setdefault(local_id, _Replica())
-        signature = _Signature(args, kwargs, modules)
+        modules = strategy.replica_modules(local_id)
+        signature = _Signature(args, kwargs, [*modules, *state.called.values()])
         if signature.refused is not None:
             self._eager(
                 f"{signature.refused} is neither a tensor nor a value a trace can key (a number, "
@@ -251,6 +285,9 @@ class TracedFunction:
         if trace is None:
             trace = self._trace(state, signature, args, kwargs, modules)
             state.traces[signature.key] = trace
+            if isinstance(trace, Replay) and _called_beyond(state, trace, modules):
+                signature = _Signature(args, kwargs, [*modules, *state.called.values()])
+                state.traces[signature.key] = trace
         if isinstance(trace, _Eager):
             return self.python_function(*args, **kwargs)
         tensors = [leaf for leaf in signature.leaves if isinstance(leaf, torch.Tensor)]
@@ -266,9 +303,8 @@ class TracedFunction:
     ) -> Replay | _Eager:
         self._tracing_count += 1
         self._warn_retracing(state, signature)
-        params = list({id(p): p for m in modules for p in m.parameters()}.values())
         try:
-            return Replay(capture(self.python_function, args, kwargs, params))
+            return Replay(capture(self.python_function, args, kwargs, modules))
         except TraceUnsupported as unsupported:
             return self._eager(unsupported.reason)
         except Exception as error:  # the step's own error, or a value read on the host

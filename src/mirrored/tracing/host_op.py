@@ -9,11 +9,13 @@ host function directly, and while a trace records, only its fake form runs.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from mirrored.core.trace_recording import ResultSpec
 
-__all__ = ["HOST_CALL", "fake_results"]
+__all__ = ["HOST_CALL", "fake_results", "forget_fake_results"]
 
 _fake_results: dict[int, list[ResultSpec]] = {}
 
@@ -39,3 +41,9 @@ HOST_CALL = torch.ops.mirrored.host_call.default
 def fake_results(key: int, results: list[ResultSpec]) -> None:
     """What the host call ``key`` returns while a trace records it."""
     _fake_results[key] = results
+
+
+def forget_fake_results(keys: Iterable[int]) -> None:
+    """A trace is recorded: its host calls' fake results are needed no more."""
+    for key in keys:
+        _fake_results.pop(key, None)

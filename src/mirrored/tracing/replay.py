@@ -231,6 +231,11 @@ class Replay:
         graph's Python code)."""
 
     @property
+    def called_modules(self) -> list[nn.Module]:
+        """Every module the step called while it traced."""
+        return self._capture.called_modules
+
+    @property
     def drawn_devices(self) -> tuple[torch.device, ...]:
         """The devices whose replica generators the graph draws from."""
         return self._capture.drawn_devices
