@@ -15,7 +15,11 @@ from torch import nn
 
 import mirrored
 from mirrored.tracing.capture import capture
-from tests.reference_loops import assert_replicas_identical, assert_same_parameters
+from tests.reference_loops import (
+    assert_replicas_identical,
+    assert_same_parameters,
+    replica_step,
+)
 from tests.tracing.traces import replays
 
 pytestmark = pytest.mark.usefixtures("float64")
@@ -47,12 +51,10 @@ def batches(
 
 
 def standard_step(model: Any, optimizer: Any) -> Step:
+    """tests.reference_loops' replica step, on this module's (x, y) arguments."""
+
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = mirrored.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        return loss
+        return replica_step((x, y), model, optimizer)
 
     return step
 

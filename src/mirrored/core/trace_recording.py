@@ -24,7 +24,7 @@ __all__ = [
     "HostCalls",
     "ResultSpec",
     "TraceUnsupported",
-    "record_call",
+    "deferred_to_replay",
     "recording",
     "refuse_while_recording",
     "set_recording",
@@ -78,11 +78,13 @@ def set_recording(recorder: HostCalls | None) -> HostCalls | None:
     return previous
 
 
-def record_call(
-    recorder: HostCalls, fn: Callable[..., object], *args: object, **kwargs: object
-) -> None:
-    """Record ``fn(*args, **kwargs)`` as a host call: the tensors among the arguments (a
-    metric for ``ReduceLROnPlateau``) are the replay's, the rest as given now."""
+def deferred_to_replay(fn: Callable[..., object], *args: object, **kwargs: object) -> bool:
+    """In a step being traced: record ``fn(*args, **kwargs)`` as a host call (the caller then
+    returns at once) and say so; else False (the caller runs as usual). The tensors among the
+    arguments (a metric for ``ReduceLROnPlateau``) are the replay's, the rest as given now."""
+    recorder = _state.recorder
+    if recorder is None:
+        return False
     leaves, spec = tree_flatten((args, kwargs))
     positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
 
@@ -94,6 +96,7 @@ def record_call(
         fn(*call_args, **call_kwargs)
 
     recorder.host_call(call, [leaves[i] for i in positions])
+    return True
 
 
 def refuse_while_recording(what: str) -> None:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from mirrored.core.context import ReplicaContext, current_replica_context
-from mirrored.core.trace_recording import recording
+from mirrored.core.trace_recording import deferred_to_replay
 from mirrored.replication.buffer_sync import BufferSync, SyncsBuffers
 from mirrored.replication.mirror_features import NO_FEATURES, MirrorFeatures
 from mirrored.replication.outside_edits import (
@@ -276,9 +276,7 @@ class MirroredModule(SyncsBuffers, CarriesOutsideEdits):
         """The current replica's gradients inside ``strategy.run``, every replica's outside;
         not a replica's inside a mirrored optimizer's accumulation window (they are the
         window's so far)."""
-        recorder = recording()
-        if recorder is not None:  # a traced step: gradients are cleared at each replay
-            recorder.host_call(lambda _: self.zero_grad(set_to_none))
+        if deferred_to_replay(self.zero_grad, set_to_none):  # a traced step: at each replay
             return
         replica = replica_context_of(self._strategy)
         ids = range(len(self.replicas)) if replica is None else [replica.local_replica_id]

@@ -25,7 +25,7 @@ from mirrored._torch_internals import disable_torch_function
 from mirrored.core.context import ReplicaContext
 from mirrored.core.param_groups import snapshot, take_group_hyperparameters
 from mirrored.core.replica_meeting import SyncMismatchError
-from mirrored.core.trace_recording import TraceUnsupported, recording
+from mirrored.core.trace_recording import deferred_to_replay, refuse_while_recording
 from mirrored.core.values import ReduceOp
 from mirrored.replication.gradient_reducer import OverlappedGradientReducer, check_dense
 from mirrored.replication.mirror_features import NO_FEATURES, MirrorFeatures
@@ -178,11 +178,9 @@ class MirroredOptimizer(ReplicaOptimizers):
                 "this mirrored optimizer's module was released (mirrored again since); step the "
                 "optimizer mirrored with the new mirrored module"
             )
-        recorder = recording()
-        if recorder is not None:  # a traced step: the update runs at each replay
-            if closure is not None:
-                raise TraceUnsupported("optimizer.step(closure) re-evaluates the loss in Python")
-            recorder.host_call(lambda _: self.step())
+        if closure is not None:
+            refuse_while_recording("optimizer.step(closure) re-evaluates the loss in Python")
+        elif deferred_to_replay(self.step):  # a traced step: the update runs at each replay
             return None
         if closure is not None:
             return self._closure_step(replica, closure)
@@ -371,9 +369,7 @@ class MirroredOptimizer(ReplicaOptimizers):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The current replica's gradients inside ``strategy.run``, every replica's outside;
         inside an accumulation window, nothing (the gradients are the window's so far)."""
-        recorder = recording()
-        if recorder is not None:  # a traced step: gradients are cleared at each replay
-            recorder.host_call(lambda _: self.zero_grad(set_to_none))
+        if deferred_to_replay(self.zero_grad, set_to_none):  # a traced step: at each replay
             return
         replica = replica_context_of(self._strategy)
         ids = range(len(self.optimizers)) if replica is None else [replica.local_replica_id]

@@ -14,7 +14,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from mirrored.core.trace_recording import record_call, recording
+from mirrored.core.trace_recording import deferred_to_replay
 from mirrored.torch_patches.holders import Installation, Patch
 
 __all__ = ["SCHEDULERS", "install_step_routes"]
@@ -54,13 +54,11 @@ def _route_step(installation: Installation, cls: type, skip: Callable[[Any], boo
 
     @functools.wraps(original)
     def step(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if installation.in_force:
-            recorder = recording()
-            if recorder is not None:  # a traced step: the scheduler steps at each replay
-                record_call(recorder, step, self, *args, **kwargs)
-                return None
-            if skip(self):
-                return None
+        # In a traced step the scheduler steps at each replay.
+        if installation.in_force and (
+            deferred_to_replay(step, self, *args, **kwargs) or skip(self)
+        ):
+            return None
         return original(self, *args, **kwargs)
 
     step._routed_by = installation  # type: ignore[attr-defined]

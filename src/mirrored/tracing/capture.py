@@ -69,7 +69,7 @@ class Capture:
     """One replica's step as a graph: ``graph`` takes the call's tensors in order and returns
     the step's tensor results; ``host_calls`` by key; the rest rebuilds the result."""
 
-    graph: fx.GraphModule
+    graph: fx.GraphModule | None  # None once a replay is built from it
     host_calls: dict[int, HostCall]
     inputs: CallInputs
     output_spec: Any  # torch pytree spec of the result

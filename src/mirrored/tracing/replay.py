@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import operator
 import threading
 import warnings
@@ -209,8 +210,10 @@ class Replay:
     """A captured step, ready to run again on new tensors of the same signature."""
 
     def __init__(self, capture: Capture) -> None:
-        self._capture = capture
+        # The whole graph (with its fake tensors) is not kept: only what a replay needs.
+        assert capture.graph is not None
         cut = _cut(capture.graph)
+        self._capture = dataclasses.replace(capture, graph=None)
         scripted = True
         for name, piece in list(cut.named_children()):
             assert isinstance(piece, fx.GraphModule)
