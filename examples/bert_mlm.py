@@ -435,14 +435,16 @@ class MaskedLMBatches:
 
 class BertLayer(nn.Module):
     """One BERT encoder layer (post-norm): self-attention, then a GELU feed-forward block, each
-    added back to its input and layer-normalised, dropout after each block and on the attention
-    weights.
+    added back to its input and layer-normalised, dropout on the attention weights and on each
+    block's output.
 
-    The maths of ``nn.TransformerEncoderLayer(activation="gelu", batch_first=True)``, written
-    with one ``scaled_dot_product_attention`` call on views of the packed q/k/v projection:
-    torch's layer splits that projection with copies and zero-filled gradients, which cost about
-    6% of a training step at BERT-tiny's size. Inside a strategy's replicas the attention's
-    dropout draws from the replica's own random stream, as every dropout does.
+    BERT's layer as Hugging Face's ``BertLayer`` and KerasHub's ``TransformerEncoder`` compute
+    it, so that the example does the work its peers do: unlike ``nn.TransformerEncoderLayer``,
+    no dropout inside the feed-forward block (on its widest tensor, the intermediate
+    activations). One ``scaled_dot_product_attention`` call on views of the packed q/k/v
+    projection: torch's layer splits that projection with copies and zero-filled gradients,
+    which cost about 6% of a training step at BERT-tiny's size. Inside a strategy's replicas
+    the attention's dropout draws from the replica's own random stream, as every dropout does.
     """
 
     def __init__(self, hidden_dim: int, num_heads: int, intermediate_dim: int, dropout: float):
@@ -473,7 +475,7 @@ class BertLayer(nn.Module):
         )
         attended = attended.transpose(1, 2).reshape(batch, seq_len, width)
         hidden = self.attention_norm(hidden + self.dropout(self.attention_output(attended)))
-        expanded = self.dropout(F.gelu(self.intermediate(hidden)))
+        expanded = F.gelu(self.intermediate(hidden))
         return self.output_norm(hidden + self.dropout(self.output(expanded)))
 
 

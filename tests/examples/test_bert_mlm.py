@@ -230,3 +230,56 @@ def test_bert_layer_computes_torch_s_transformer_encoder_layer():
     expected = torch_s(hidden, src_key_padding_mask=attention_mask == 0)
     actual = ours(hidden, (attention_mask != 0)[:, None, None, :])
     assert_close_float64(actual, expected)
+
+
+@pytest.mark.usefixtures("float64")
+def test_bert_layer_trains_as_hugging_face_s_bert_layer():
+    """Dropout included: the same draws land on the same tensors as in Transformers' BertLayer
+    (the attention weights, each block's output, nothing inside the feed-forward block)."""
+    transformers_bert = pytest.importorskip("transformers.models.bert.modeling_bert")
+    from transformers import BertConfig
+
+    hidden_dim, heads, intermediate = 32, 4, 64
+    config = BertConfig(
+        hidden_size=hidden_dim,
+        num_attention_heads=heads,
+        intermediate_size=intermediate,
+        hidden_dropout_prob=0.1,
+        attention_probs_dropout_prob=0.1,
+        layer_norm_eps=1e-12,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    ours = bert_mlm.BertLayer(hidden_dim, heads, intermediate, dropout=0.1).train()
+    theirs = transformers_bert.BertLayer(config).double().train()
+    attention = theirs.attention
+    with torch.no_grad():
+        q, k, v = ours.qkv.weight.chunk(3)
+        qb, kb, vb = ours.qkv.bias.chunk(3)
+        for linear, weight, bias in (
+            (attention.self.query, q, qb),
+            (attention.self.key, k, kb),
+            (attention.self.value, v, vb),
+        ):
+            linear.weight.copy_(weight)
+            linear.bias.copy_(bias)
+        for theirs_part, mine in (
+            (attention.output.dense, ours.attention_output),
+            (attention.output.LayerNorm, ours.attention_norm),
+            (theirs.intermediate.dense, ours.intermediate),
+            (theirs.output.dense, ours.output),
+            (theirs.output.LayerNorm, ours.output_norm),
+        ):
+            theirs_part.load_state_dict(mine.state_dict())
+    hidden = torch.randn(3, 10, hidden_dim)
+    attention_mask = torch.ones(3, 10, dtype=torch.long)
+    attention_mask[1, 6:] = 0
+    additive = (1.0 - attention_mask[:, None, None, :].double()) * torch.finfo(torch.double).min
+    torch.manual_seed(1)
+    expected = theirs(hidden, attention_mask=additive)
+    expected = expected[0] if isinstance(expected, tuple) else expected
+    torch.manual_seed(1)
+    actual = ours(hidden, (attention_mask != 0)[:, None, None, :])
+    assert_close_float64(actual, expected)
+    torch.manual_seed(2)
+    assert not torch.allclose(ours(hidden, (attention_mask != 0)[:, None, None, :]), actual)
