@@ -8,6 +8,9 @@ first uses the device; changing it afterwards is an error, as in TensorFlow.
 A logical CPU device shares the host's cores with its siblings; a logical CUDA device owns a
 stream and, when it has a ``memory_limit``, a memory pool whose size is checked after each step
 (see :mod:`mirrored.core.device_runtime`).
+
+Host memory: once a strategy takes CPU devices into use, freed host memory is kept for reuse
+(:func:`set_host_memory_reuse`), as a caching allocator keeps device memory.
 """
 
 from __future__ import annotations
@@ -19,14 +22,18 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from mirrored import _glibc_malloc
+
 __all__ = [
     "LogicalDevice",
     "LogicalDeviceConfiguration",
     "PhysicalDevice",
+    "get_host_memory_reuse",
     "get_logical_device_configuration",
     "list_logical_devices",
     "list_physical_devices",
     "resolve_devices",
+    "set_host_memory_reuse",
     "set_logical_device_configuration",
 ]
 
@@ -97,6 +104,8 @@ class LogicalDevice:
 _lock = threading.Lock()
 _configurations: dict[PhysicalDevice, tuple[LogicalDeviceConfiguration, ...]] = {}
 _initialized: set[PhysicalDevice] = set()
+_host_memory_reuse = True  # the setting
+_host_memory_kept = False  # whether malloc keeps freed memory now (the setting, applied)
 
 
 def _normalize_type(device_type: str | None) -> str | None:
@@ -246,9 +255,45 @@ def resolve_devices(specs: Iterable[DeviceSpec | LogicalDevice]) -> list[Logical
 
 
 def mark_in_use(devices: Iterable[LogicalDevice]) -> None:
-    """Freeze the configuration of the physical devices behind ``devices`` (now in use)."""
+    """Freeze the configuration of the physical devices behind ``devices`` (now in use), and
+    when one of them is a CPU device keep freed host memory for reuse (unless turned off)."""
+    global _host_memory_kept
+    devices = list(devices)
     with _lock:
         _initialized.update(d.physical for d in devices)
+        if (
+            _host_memory_reuse
+            and not _host_memory_kept
+            and any(d.device_type == "CPU" for d in devices)
+        ):
+            _host_memory_kept = _glibc_malloc.keep_freed_memory()
+
+
+def set_host_memory_reuse(enabled: bool) -> None:
+    """Whether strategies computing on the CPU keep freed host memory for reuse (on by default).
+
+    A training step allocates the same large activations and gradients every step; glibc's
+    malloc maps each one afresh from the system and unmaps it when freed, so on the CPU every
+    step faults its memory in again, page by page. Once a strategy takes a CPU device into use,
+    freed memory stays in malloc's heap for the next step instead, for the whole process: it
+    then holds its peak heap rather than giving memory back between steps. ``False`` restores
+    glibc's own policy and gives the kept memory back: for processes that must shrink after a
+    peak. Other C libraries than glibc keep their own policy either way.
+    """
+    global _host_memory_reuse, _host_memory_kept
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled={enabled!r}: expected True or False")
+    with _lock:
+        _host_memory_reuse = enabled
+        if not enabled and _host_memory_kept:
+            _glibc_malloc.restore_default_policy()
+            _host_memory_kept = False
+
+
+def get_host_memory_reuse() -> bool:
+    """Whether freed host memory is kept for reuse once a strategy uses a CPU device."""
+    with _lock:
+        return _host_memory_reuse
 
 
 def _reset_for_tests() -> None:
