@@ -1,11 +1,12 @@
-"""The articles' BERT job three ways in one sitting: TensorFlow + KerasHub, plain PyTorch, mirrored.
+"""The articles' BERT job in one sitting: TensorFlow + KerasHub, plain PyTorch loops, mirrored.
 
 The job (MISSION.md's third program): a BERT-tiny masked-language model (2 layers, 2 heads,
 hidden 128, intermediate 512) trained from scratch on lines longer than 100 characters, shuffle
 500, batch 128, cache, prefetch, Adam with a learning rate decaying polynomially from 1e-4 to 0
 over all steps. Every side trains on the same token ids (tokenised once here, written to a
 temporary ``.npy`` file the sides read), the same shapes (``--seq-len`` 128, global batch 128,
-a 8192-row vocabulary in the model, ``--max-predictions`` 20 masked slots per sequence) and the
+a 8192-row vocabulary in the model, ``--max-predictions`` masked slots per sequence: by default
+the example's, 32 at 128 tokens, as its masker pads them) and the
 same number of steps (``--steps-per-epoch`` 13 times ``--epochs`` 3). Each side runs in a process
 of its own, one after another (``--rounds``: the order rotated by one per round):
 
@@ -15,16 +16,22 @@ of its own, one after another (``--rounds``: the order rotated by one per round)
   ``PolynomialDecay(1e-4, steps, 0.0)``, ``SparseCategoricalCrossentropy(from_logits=True)`` and
   weighted ``SparseCategoricalAccuracy`` (KerasHub's defaults for the task; ``jit_compile=False``,
   which is also what "auto" gives on a CPU-only machine), trained with ``fit`` on the tf.data
-  pipeline ``shuffle(500).batch(128).cache()``, then masked by KerasHub's
-  ``MaskedLMMaskGenerator`` (what ``BertMaskedLMPreprocessor`` runs, so fresh masks every epoch)
-  and ``prefetch(AUTOTUNE)``. TensorFlow's oneDNN kernels on (``TF_ENABLE_ONEDNN_OPTS=1`` unless
-  set, as compare.py: TensorFlow turns them on by itself only on some CPUs). Only when
-  tensorflow and keras_hub import (``pip install -e '.[tensorflow]'``); else one line says so;
-- ``plain``: a plain eager PyTorch loop: ``examples/bert_mlm.py``'s ``BertMaskedLM`` and input
-  pipeline (``MaskedLMBatches``: its shuffle buffer, masking and prefetch thread),
-  ``torch.optim.Adam`` with ``PolynomialLR`` (power 1: the same schedule), the loss as Keras
-  reduces it (the weighted sum over every slot over the slot count) and the same weighted
-  accuracy the fit sides compute;
+  pipeline ``shuffle(500).batch(128)``, masked by KerasHub's ``MaskedLMMaskGenerator`` (what
+  ``BertMaskedLMPreprocessor`` runs), then ``cache()`` and ``prefetch(AUTOTUNE)``: the masks are
+  made in the first epoch and kept for the later ones, the stronger TensorFlow (masking on the
+  fly costs it CPU on 2 cores; the article masks on the fly). TensorFlow's oneDNN kernels on
+  (``TF_ENABLE_ONEDNN_OPTS=1`` unless set, as compare.py: TensorFlow turns them on by itself
+  only on some CPUs). Only when tensorflow and keras_hub import (``pip install -e
+  '.[tensorflow]'``); else one line says so;
+- ``plain``: ``examples/bert_mlm.py``'s ``BertMaskedLM`` in the loop a PyTorch user writes
+  (:func:`hand_loop`): every epoch's batches prepared ahead in memory (the example's pipeline run
+  to the end before timing, so the same batches the mirrored sides get), ``torch.optim.Adam``
+  with ``PolynomialLR`` (power 1: the same schedule), ``F.cross_entropy`` on the flattened slots
+  reduced as Keras reduces it (the weighted sum over every slot over the slot count), torch's
+  own dropout, and the weighted accuracy the fit sides keep;
+- ``hf-plain``: an independent model in the same loop: Transformers' ``BertForMaskedLM`` at the
+  bert-tiny configuration, its prediction head applied at the masked slots only, as the
+  example's and KerasHub's (only when transformers imports);
 - ``mirrored-1``, ``-2``, ``-4``: the example as it runs: its model and input pipeline,
   ``mirrored.Model`` compiled as its ``main`` compiles it, ``fit`` under ``MirroredStrategy`` on
   1, 2 and 4 logical CPU devices (``mirrored.examples.devices.logical_devices``).
@@ -46,11 +53,12 @@ loop's take it before ``begin``); per epoch, the seconds from epoch begin to the
 epochs). Printed per side: median step, sequences per second at that step, overall sequences
 per second (every sequence trained over the whole fit time: tracing, iterators and epoch starts
 included), the median interval between successive step ends within an epoch (input waits
-included on every side), the time outside steps; then the ratios: mirrored-1 over plain per
-step, and mirrored-4 over keras-hub-4 per step and overall (throughput: above 1, mirrored is
-faster).
+included on every side), the time outside steps; then the ratios (throughput: above 1, the
+first is faster): mirrored-1 over plain per step (goal >= 0.97x), plain over hf-plain per step
+(the example's model against Transformers' at equal work: goal >= 1/1.05 = 0.952x), and
+mirrored-4 over keras-hub-4 per step (goal >= 1.0x) and overall.
 
-Run from the repository root (about 12-15 minutes a round on 2 shared cores):
+Run from the repository root (about 8-15 minutes a round on 2 cores):
 ``.venv/bin/python benchmarks/seed_bert.py [--data wikitext-2] [--json PATH]``; ``--epochs``,
 ``--steps-per-epoch``, ``--rounds``, ``--sides``, ``--no-tf``, ``--max-predictions``,
 ``--vocab-size``, ``--seq-len``, ``--batch-size``, ``--seed``. ``--device cuda`` runs the PyTorch
@@ -72,7 +80,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +96,7 @@ from mirrored.examples.bert_mlm import (
     train_tokenizer,
 )
 from overhead import machine_description, settings_of, write_report
+from torch import nn
 
 import mirrored
 from mirrored import config
@@ -95,12 +104,15 @@ from mirrored import config
 KERAS_SIDE = "keras-hub-4"
 KERAS_DEVICES = 4
 MIRRORED_DEVICES = {"mirrored-1": 1, "mirrored-2": 2, "mirrored-4": 4}
-SIDES = (KERAS_SIDE, "plain", *MIRRORED_DEVICES)
+HF_SIDE = "hf-plain"
+SIDES = (KERAS_SIDE, "plain", HF_SIDE, *MIRRORED_DEVICES)
 RATIOS = (  # (mine, peer, throughput)
     ("mirrored-1", "plain", "step_sequences_per_s"),
+    ("plain", HF_SIDE, "step_sequences_per_s"),
     ("mirrored-4", KERAS_SIDE, "step_sequences_per_s"),
     ("mirrored-4", KERAS_SIDE, "overall_sequences_per_s"),
 )
+Forward = Callable[[Any, dict[str, torch.Tensor]], torch.Tensor]  # the logits at the slots
 DETAILS = ("versions", "replicas", "onednn", "strategy", "threads")  # printed after the table
 
 
@@ -193,11 +205,26 @@ class MirroredStepLog(mirrored.callbacks.Callback):
 # -- the sides (each in a process of its own) ------------------------------------------------------
 
 
-def run_plain(job: Job) -> dict[str, Any]:
-    torch.manual_seed(job.seed)
-    batches = job.torch_batches()
+def hand_loop(job: Job, model: nn.Module, forward: Forward) -> dict[str, Any]:
+    """A PyTorch user's loop: every epoch's batches prepared ahead (the example's pipeline, run
+    to the end before timing: the batches the mirrored sides get), ``torch.optim.Adam`` with
+    ``PolynomialLR`` (power 1: the same schedule), cross-entropy on the flattened slots reduced
+    as Keras reduces it (the weighted sum over every slot over the slot count), torch's own
+    dropout, and the weighted accuracy the fit sides keep."""
+    pipeline = job.torch_batches()
     device = torch.device(job.device)
-    model = BertMaskedLM(job.model_vocab_size, job.seq_len).to(device)
+    epochs = [
+        [
+            (
+                {key: value.to(device) for key, value in x.items()},
+                labels.to(device),
+                weights.to(device),
+            )
+            for x, labels, weights in pipeline
+        ]
+        for _ in range(job.epochs)
+    ]
+    model = model.to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=job.learning_rate)
     schedule = torch.optim.lr_scheduler.PolynomialLR(
         optimizer, total_iters=job.total_steps, power=1.0
@@ -206,20 +233,17 @@ def run_plain(job: Job) -> dict[str, Any]:
     log, loss = StepLog(job.device), torch.zeros(())
     correct, counted = torch.zeros((), device=device), torch.zeros((), device=device)
     start = time.perf_counter()
-    for _ in range(job.epochs):
+    for batches in epochs:
         log.epoch_begin()
         for x, labels, weights in batches:
             log.batch_begin()
-            x = {key: value.to(device, non_blocking=True) for key, value in x.items()}
-            labels, weights = labels.to(device), weights.to(device)
-            logits = model(**x)
-            losses = F.cross_entropy(logits.transpose(1, 2), labels, reduction="none")
-            loss = (losses * weights).sum() / weights.numel()  # Keras's sum_over_batch_size
+            logits = forward(model, x)
+            losses = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
+            loss = (losses * weights.flatten()).sum() / weights.numel()
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
             schedule.step()
-            # the weighted accuracy both fit sides keep
             correct += ((logits.detach().argmax(-1) == labels).float() * weights).sum()
             counted += weights.sum()
             log.batch_end()
@@ -230,6 +254,44 @@ def run_plain(job: Job) -> dict[str, Any]:
         accuracy=float(correct / counted),
         threads=torch.get_num_threads(),
     )
+
+
+def run_plain(job: Job) -> dict[str, Any]:
+    """The example's model in the hand loop."""
+    torch.manual_seed(job.seed)
+    model = BertMaskedLM(job.model_vocab_size, job.seq_len)
+    return hand_loop(job, model, lambda model, x: model(**x))
+
+
+def run_hugging_face(job: Job) -> dict[str, Any]:
+    """Transformers' ``BertForMaskedLM`` at the bert-tiny configuration in the hand loop, its
+    prediction head applied at the masked slots only (as the example's and KerasHub's), so
+    that both models do the same work."""
+    import transformers
+
+    torch.manual_seed(job.seed)
+    model = transformers.BertForMaskedLM(
+        transformers.BertConfig(
+            vocab_size=job.model_vocab_size,
+            hidden_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=512,
+            max_position_embeddings=job.seq_len,
+            pad_token_id=job.masker["pad_id"],
+        )
+    )
+
+    def forward(model: Any, x: dict[str, torch.Tensor]) -> torch.Tensor:
+        hidden = model.bert(
+            input_ids=x["input_ids"], attention_mask=x["attention_mask"]
+        ).last_hidden_state
+        index = x["mask_positions"].unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
+        return model.cls(hidden.gather(1, index))
+
+    record = hand_loop(job, model, forward)
+    record["versions"] = f"transformers {transformers.__version__}"
+    return record
 
 
 def run_mirrored(job: Job, num_devices: int) -> dict[str, Any]:
@@ -297,8 +359,8 @@ def run_keras_hub(job: Job) -> dict[str, Any]:
         tf.data.Dataset.from_tensor_slices(np.load(job.tokens))
         .shuffle(job.shuffle_buffer, seed=job.seed)
         .batch(job.batch_size)
-        .cache()
         .map(masked, num_parallel_calls=tf.data.AUTOTUNE)
+        .cache()  # masks prepared once, ahead of the later epochs: the stronger TensorFlow
         .prefetch(tf.data.AUTOTUNE)
     )
     keras.utils.set_random_seed(job.seed)
@@ -353,6 +415,8 @@ def run_side(side: str, folder: Path) -> None:
         record = run_keras_hub(job)
     elif side == "plain":
         record = run_plain(job)
+    elif side == HF_SIDE:
+        record = run_hugging_face(job)
     else:
         record = run_mirrored(job, MIRRORED_DEVICES[side])
     (folder / f"{side}.json").write_text(json.dumps(record))
@@ -369,9 +433,9 @@ def prepare(args: argparse.Namespace, folder: Path) -> Job:
     lines = list(itertools.islice(itertools.cycle(texts["train"]), count))
     token_ids = encode(tokenizer, lines).numpy().astype(np.int32)
     np.save(folder / "tokens.npy", token_ids)
-    masker = dataclasses.replace(
-        MaskedLMMasker.for_tokenizer(tokenizer, args.seq_len), max_predictions=args.max_predictions
-    )
+    masker = MaskedLMMasker.for_tokenizer(tokenizer, args.seq_len)
+    if args.max_predictions is not None:
+        masker = dataclasses.replace(masker, max_predictions=args.max_predictions)
     job = Job(
         tokens=str(folder / "tokens.npy"),
         masker=dataclasses.asdict(masker),
@@ -391,7 +455,7 @@ def prepare(args: argparse.Namespace, folder: Path) -> Job:
         f"{source}: {len(texts['train'])} training lines, {count} sequences an epoch "
         f"({'repeated' if count > len(texts['train']) else 'the first'}); tokenizer "
         f"{tokenizer.get_vocab_size()} WordPieces, model vocabulary {args.vocab_size}; "
-        f"{args.seq_len} tokens, {args.max_predictions} prediction slots, global batch "
+        f"{args.seq_len} tokens, {masker.max_predictions} prediction slots, global batch "
         f"{args.batch_size}, {args.steps_per_epoch} steps x {args.epochs} epochs",
         flush=True,
     )
@@ -406,8 +470,9 @@ def tensorflow_missing() -> str | None:
 
 
 def run_round(sides: Sequence[str], folder: Path) -> dict[str, dict[str, Any]]:
-    """Each side in a fresh process, one after another; a TensorFlow side that fails is reported
-    and left out, a PyTorch side that fails stops the sitting."""
+    """Each side in a fresh process, one after another; a peer's side (TensorFlow's,
+    Transformers') that fails is reported and left out, one of ours that fails stops the
+    sitting."""
     records = {}
     for side in sides:
         load = os.getloadavg()[0]
@@ -415,7 +480,7 @@ def run_round(sides: Sequence[str], folder: Path) -> dict[str, dict[str, Any]]:
         command = [sys.executable, __file__, "--side", side, "--job", str(folder)]
         done = subprocess.run(command, check=False)
         if done.returncode != 0:
-            if side != KERAS_SIDE:
+            if side not in (KERAS_SIDE, HF_SIDE):
                 raise RuntimeError(f"{side} exited with {done.returncode}")
             print(f"{side} failed (exit code {done.returncode}); left out", flush=True)
             continue
@@ -484,7 +549,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=128, help="default %(default)s")
     parser.add_argument("--vocab-size", type=int, default=8192, help="default %(default)s")
     parser.add_argument(
-        "--max-predictions", type=int, default=20, help="masked slots a sequence (default 20)"
+        "--max-predictions",
+        type=int,
+        help="masked slots a sequence (default: the example's, 32 at --seq-len 128)",
     )
     parser.add_argument("--rounds", type=int, default=1, help="default %(default)s")
     parser.add_argument(
@@ -504,9 +571,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--job", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     for name in ("epochs", "steps_per_epoch", "batch_size", "seq_len", "rounds", "max_predictions"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: expected at least 1")
-    if args.max_predictions > args.seq_len:
+    if args.max_predictions is not None and args.max_predictions > args.seq_len:
         parser.error(f"--max-predictions {args.max_predictions}: at most --seq-len")
     args.sides = [side for side in args.sides.split(",") if side]
     unknown = [side for side in args.sides if side not in SIDES]
@@ -533,6 +600,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
         print(f"{KERAS_SIDE}: left out ({why}; pip install -e '.[tensorflow]' to run it)")
         sides.remove(KERAS_SIDE)
+    if HF_SIDE in sides and importlib.util.find_spec("transformers") is None:
+        print(f"{HF_SIDE}: left out (transformers not installed; pip install -e '.[test]')")
+        sides.remove(HF_SIDE)
     with tempfile.TemporaryDirectory(prefix="seed-bert-") as folder:
         job = prepare(args, Path(folder))
         rounds = []
