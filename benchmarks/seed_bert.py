@@ -112,6 +112,8 @@ RATIOS = (  # (mine, peer, throughput)
     ("mirrored-4", KERAS_SIDE, "step_sequences_per_s"),
     ("mirrored-4", KERAS_SIDE, "overall_sequences_per_s"),
 )
+# Turc et al. 2019's smallest BERT, in KerasHub's names (the example's model's defaults).
+BERT_TINY = {"num_layers": 2, "num_heads": 2, "hidden_dim": 128, "intermediate_dim": 512}
 Forward = Callable[[Any, dict[str, torch.Tensor]], torch.Tensor]  # the logits at the slots
 DETAILS = ("versions", "replicas", "onednn", "strategy", "threads")  # printed after the table
 
@@ -263,22 +265,21 @@ def run_plain(job: Job) -> dict[str, Any]:
     return hand_loop(job, model, lambda model, x: model(**x))
 
 
-def run_hugging_face(job: Job) -> dict[str, Any]:
-    """Transformers' ``BertForMaskedLM`` at the bert-tiny configuration in the hand loop, its
-    prediction head applied at the masked slots only (as the example's and KerasHub's), so
-    that both models do the same work."""
+def hugging_face_bert(vocab_size: int, seq_len: int, pad_id: int) -> tuple[nn.Module, Forward]:
+    """Transformers' ``BertForMaskedLM`` of the bert-tiny shape, and its forward to the logits
+    at the masked slots only (its prediction head applied there, as the example's and
+    KerasHub's), so that it does the work they do."""
     import transformers
 
-    torch.manual_seed(job.seed)
     model = transformers.BertForMaskedLM(
         transformers.BertConfig(
-            vocab_size=job.model_vocab_size,
-            hidden_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            intermediate_size=512,
-            max_position_embeddings=job.seq_len,
-            pad_token_id=job.masker["pad_id"],
+            vocab_size=vocab_size,
+            hidden_size=BERT_TINY["hidden_dim"],
+            num_hidden_layers=BERT_TINY["num_layers"],
+            num_attention_heads=BERT_TINY["num_heads"],
+            intermediate_size=BERT_TINY["intermediate_dim"],
+            max_position_embeddings=seq_len,
+            pad_token_id=pad_id,
         )
     )
 
@@ -289,6 +290,15 @@ def run_hugging_face(job: Job) -> dict[str, Any]:
         index = x["mask_positions"].unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
         return model.cls(hidden.gather(1, index))
 
+    return model, forward
+
+
+def run_hugging_face(job: Job) -> dict[str, Any]:
+    """Transformers' BERT in the hand loop."""
+    import transformers
+
+    torch.manual_seed(job.seed)
+    model, forward = hugging_face_bert(job.model_vocab_size, job.seq_len, job.masker["pad_id"])
     record = hand_loop(job, model, forward)
     record["versions"] = f"transformers {transformers.__version__}"
     return record
@@ -366,12 +376,7 @@ def run_keras_hub(job: Job) -> dict[str, Any]:
     keras.utils.set_random_seed(job.seed)
     with strategy.scope():
         backbone = keras_hub.models.BertBackbone(
-            vocabulary_size=job.model_vocab_size,
-            num_layers=2,
-            num_heads=2,
-            hidden_dim=128,
-            intermediate_dim=512,
-            max_sequence_length=job.seq_len,
+            vocabulary_size=job.model_vocab_size, max_sequence_length=job.seq_len, **BERT_TINY
         )
         model = keras_hub.models.BertMaskedLM(backbone, preprocessor=None)
         schedule = keras.optimizers.schedules.PolynomialDecay(
