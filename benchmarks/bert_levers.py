@@ -46,7 +46,7 @@ from mirrored.examples.bert_mlm import (
     train_tokenizer,
 )
 from overhead import machine_description, settings_of, write_report
-from seed_bert import hugging_face_bert
+from seed_bert import hugging_face_bert, slot_loss
 
 import mirrored
 from mirrored import config
@@ -73,9 +73,7 @@ def hand_step(model: Any, forward: Any) -> Any:
     model.train()
 
     def step(x: dict[str, torch.Tensor], labels: torch.Tensor, weights: torch.Tensor) -> None:
-        logits = forward(model, x)
-        losses = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
-        loss = (losses * weights.flatten()).sum() / weights.numel()
+        loss = slot_loss(forward(model, x), labels, weights)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

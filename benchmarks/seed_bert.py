@@ -207,6 +207,13 @@ class MirroredStepLog(mirrored.callbacks.Callback):
 # -- the sides (each in a process of its own) ------------------------------------------------------
 
 
+def slot_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy on the flattened slots, reduced as Keras reduces it: the weighted sum over
+    every slot over the slot count."""
+    losses = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
+    return (losses * weights.flatten()).sum() / weights.numel()
+
+
 def hand_loop(job: Job, model: nn.Module, forward: Forward) -> dict[str, Any]:
     """A PyTorch user's loop: every epoch's batches prepared ahead (the example's pipeline, run
     to the end before timing: the batches the mirrored sides get), ``torch.optim.Adam`` with
@@ -240,8 +247,7 @@ def hand_loop(job: Job, model: nn.Module, forward: Forward) -> dict[str, Any]:
         for x, labels, weights in batches:
             log.batch_begin()
             logits = forward(model, x)
-            losses = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
-            loss = (losses * weights.flatten()).sum() / weights.numel()
+            loss = slot_loss(logits, labels, weights)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
