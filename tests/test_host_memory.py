@@ -7,6 +7,7 @@ process has had strategies (and so the policy) long before these tests run.
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import textwrap
 import pytest
 
 import mirrored
+from mirrored import _glibc_malloc, config
 
 glibc_only = pytest.mark.skipif(
     platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
@@ -41,9 +43,10 @@ else:
     mallinfo = libc.mallinfo
 mallinfo.restype = Info
 
-def served():
-    tensor = torch.ones(16 << 20)
-    mapped = mallinfo().hblkhd >> 20
+def served(mib=64):
+    before = mallinfo().hblkhd
+    tensor = torch.ones(mib << 18)
+    mapped = (mallinfo().hblkhd - before) >> 20
     del tensor
     print(mapped, mallinfo().fordblks >> 20)
 
@@ -62,9 +65,10 @@ def _mapped_then_kept(pair: list[int], kept: bool) -> bool:
     return mapped < 64 <= free_after if kept else free_after < 64 <= mapped
 
 
-def _run(program: str) -> list[int]:
+def _run(program: str, **environment: str) -> list[int]:
     done = subprocess.run(
         [sys.executable, "-c", _PROBE + textwrap.dedent(program)],
+        env={**os.environ, **environment},
         capture_output=True,
         text=True,
         timeout=120,
@@ -76,7 +80,7 @@ def _run(program: str) -> list[int]:
 
 @glibc_only
 def test_a_cpu_strategy_keeps_freed_memory_and_turning_it_off_gives_it_back():
-    *served, held, given_back = _run(
+    values = _run(
         """
         served()
         strategy()
@@ -86,27 +90,67 @@ def test_a_cpu_strategy_keeps_freed_memory_and_turning_it_off_gives_it_back():
         print(resident_mib())
         mirrored.config.set_host_memory_reuse(False)
         print(resident_mib())
+        served()
+        served(16)
         """
     )
-    assert _mapped_then_kept(served[0:2], kept=False), served
-    assert _mapped_then_kept(served[2:4], kept=True), served
+    assert _mapped_then_kept(values[0:2], kept=False), values
+    assert _mapped_then_kept(values[2:4], kept=True), values
+    held, given_back = values[4:6]
     assert held - given_back > 200
+    # Off: large blocks mapped apart again, at the thresholds glibc's adaptive ones settle at.
+    mapped_64, _, mapped_16, _ = values[6:]
+    assert mapped_64 >= 64, values
+    assert mapped_16 == 0, values
 
 
 @glibc_only
-def test_turned_off_before_a_strategy_it_is_not_applied_until_turned_on():
+def test_turned_off_before_a_strategy_it_is_applied_once_turned_on():
     served = _run(
         """
         mirrored.config.set_host_memory_reuse(False)
         strategy()
         served()
-        mirrored.config.set_host_memory_reuse(True)
-        strategy()
+        mirrored.config.set_host_memory_reuse(True)  # a CPU device is in use: at once
         served()
         """
     )
     assert _mapped_then_kept(served[0:2], kept=False), served
     assert _mapped_then_kept(served[2:4], kept=True), served
+
+
+@glibc_only
+def test_malloc_configured_by_hand_is_left_as_it_is():
+    served = _run(
+        """
+        strategy()
+        served()
+        """,
+        MALLOC_ARENA_MAX="4",
+    )
+    assert _mapped_then_kept(served, kept=False), served
+
+
+def test_gpu_devices_leave_malloc_alone(monkeypatch):
+    calls = []
+    monkeypatch.setattr(config, "_host_memory_kept", False)
+    monkeypatch.setattr(_glibc_malloc, "keep_freed_memory", lambda: calls.append(1) or True)
+    gpu = config.PhysicalDevice("/physical_device:GPU:0", "GPU", 0)
+    config.mark_in_use([config.LogicalDevice("/device:GPU:0", "GPU", 0, gpu, 0)])
+    assert calls == []
+    config.mark_in_use(config.list_logical_devices("CPU")[:1])
+    assert calls == [1]
+
+
+def test_a_c_library_that_refuses_is_a_warning_not_an_error(monkeypatch):
+    def refuse() -> bool:
+        raise OSError("glibc refused mallopt(-4, 0)")
+
+    monkeypatch.setattr(config, "_host_memory_kept", False)
+    monkeypatch.setattr(_glibc_malloc, "keep_freed_memory", refuse)
+    refused = r"not kept for reuse \(glibc refused mallopt"
+    with pytest.warns(RuntimeWarning, match=refused), mirrored.MirroredStrategy(["cpu:0"]):
+        pass
 
 
 def test_the_setting_is_a_bool():

@@ -6,32 +6,48 @@ the heap's free top above its trim threshold. A training step on the CPU allocat
 activations and gradients every step, so each step faults all of them in again, page by page,
 and the kernel zeroes every page. With no mmap per allocation and no trimming, freed blocks stay
 in the heap and the next step's tensors reuse them, as a caching allocator reuses device memory.
-Other C libraries (musl, macOS) are left as they are.
+
+Limits: a thread other than the main one allocates from an arena of its own, whose heaps hold at
+most 64 MiB, so a block that large made on a replica thread is still mapped apart. A process
+whose malloc was configured by hand (``MALLOC_*_`` variables, ``GLIBC_TUNABLES``) and other C
+libraries (musl, macOS) are left as they are.
 """
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import os
 import platform
 from typing import Any
 
-__all__ = ["keep_freed_memory", "restore_default_policy"]
+__all__ = ["keep_freed_memory", "restore_adaptive_thresholds"]
 
 # mallopt(3) parameters; -1 as the trim threshold turns trimming off.
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _M_MMAP_MAX = -4
 _KEEP = {_M_MMAP_MAX: 0, _M_TRIM_THRESHOLD: -1}
-# glibc's initial values (setting them again fixes the thresholds where glibc would let them grow).
-_DEFAULTS = {_M_MMAP_MAX: 65536, _M_MMAP_THRESHOLD: 128 * 1024, _M_TRIM_THRESHOLD: 128 * 1024}
+# Once set, glibc's thresholds no longer adapt; these are the values where its adaptive ones
+# settle for large blocks (mmap threshold 32 MiB, trim threshold twice that).
+_SETTLED = {_M_MMAP_MAX: 65536, _M_MMAP_THRESHOLD: 32 << 20, _M_TRIM_THRESHOLD: 64 << 20}
+_USER_SETTINGS = (
+    "MALLOC_ARENA_MAX",
+    "MALLOC_MMAP_MAX_",
+    "MALLOC_MMAP_THRESHOLD_",
+    "MALLOC_TOP_PAD_",
+    "MALLOC_TRIM_THRESHOLD_",
+)
 
 
 def _glibc() -> Any | None:
-    """The C library when it is glibc, else None."""
+    """The process's C library when it is glibc and nobody configured its malloc, else None."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return None
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    if any(name in os.environ for name in _USER_SETTINGS):
+        return None
+    if "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
+        return None
+    libc = ctypes.CDLL(None)  # the symbols the process already has
     return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
 
 
@@ -42,7 +58,8 @@ def _mallopt(libc: Any, settings: dict[int, int]) -> None:
 
 
 def keep_freed_memory() -> bool:
-    """Keep freed memory in malloc's heap from now on; False where the C library is not glibc."""
+    """Keep freed memory in malloc's heap from now on; False where this module leaves malloc as
+    it is (not glibc, or configured by hand)."""
     libc = _glibc()
     if libc is None:
         return False
@@ -50,9 +67,10 @@ def keep_freed_memory() -> bool:
     return True
 
 
-def restore_default_policy() -> None:
-    """glibc's own thresholds again, and the heap's free memory given back to the system."""
+def restore_adaptive_thresholds() -> None:
+    """Map large blocks apart and trim the heap again, at the thresholds glibc's adaptive ones
+    settle at (they no longer adapt), and give the heap's free memory back to the system."""
     libc = _glibc()
     if libc is not None:
-        _mallopt(libc, _DEFAULTS)
+        _mallopt(libc, _SETTLED)
         libc.malloc_trim(0)

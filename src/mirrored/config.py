@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import threading
+import warnings
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -257,16 +258,28 @@ def resolve_devices(specs: Iterable[DeviceSpec | LogicalDevice]) -> list[Logical
 def mark_in_use(devices: Iterable[LogicalDevice]) -> None:
     """Freeze the configuration of the physical devices behind ``devices`` (now in use), and
     when one of them is a CPU device keep freed host memory for reuse (unless turned off)."""
-    global _host_memory_kept
     devices = list(devices)
     with _lock:
         _initialized.update(d.physical for d in devices)
-        if (
-            _host_memory_reuse
-            and not _host_memory_kept
-            and any(d.device_type == "CPU" for d in devices)
-        ):
-            _host_memory_kept = _glibc_malloc.keep_freed_memory()
+        if any(d.device_type == "CPU" for d in devices):
+            _apply_host_memory_reuse()
+
+
+def _apply_host_memory_reuse() -> None:
+    """Keep freed host memory from now on when the setting says so (under ``_lock``). A C
+    library that refuses is warned about, never raised: it is a matter of speed."""
+    global _host_memory_kept
+    if not _host_memory_reuse or _host_memory_kept:
+        return
+    try:
+        _host_memory_kept = _glibc_malloc.keep_freed_memory()
+    except OSError as error:
+        warnings.warn(
+            f"freed host memory is not kept for reuse ({error}): CPU steps run at malloc's "
+            "own speed; mirrored.config.set_host_memory_reuse(False) silences this",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def set_host_memory_reuse(enabled: bool) -> None:
@@ -274,11 +287,17 @@ def set_host_memory_reuse(enabled: bool) -> None:
 
     A training step allocates the same large activations and gradients every step; glibc's
     malloc maps each one afresh from the system and unmaps it when freed, so on the CPU every
-    step faults its memory in again, page by page. Once a strategy takes a CPU device into use,
-    freed memory stays in malloc's heap for the next step instead, for the whole process: it
-    then holds its peak heap rather than giving memory back between steps. ``False`` restores
-    glibc's own policy and gives the kept memory back: for processes that must shrink after a
-    peak. Other C libraries than glibc keep their own policy either way.
+    step faults its memory in again, page by page. Once a strategy takes a CPU device into use
+    (at once, if one already has), freed memory stays in malloc's heap for the next step
+    instead, for the whole process and the processes it forks (a ``DataLoader``'s workers): it
+    then holds its peak heap rather than giving memory back between steps. A block of 64 MiB or
+    more made on a replica thread other than the caller's is still mapped apart (glibc's
+    per-thread heaps hold no more).
+
+    ``False`` gives the kept memory back and maps large blocks apart again, for processes that
+    must shrink after a peak, at fixed thresholds (32 MiB to map, 64 MiB to trim: where glibc's
+    adaptive ones settle; they no longer adapt). Nothing changes under other C libraries than
+    glibc, or where malloc was configured by hand (``MALLOC_*_`` variables, ``GLIBC_TUNABLES``).
     """
     global _host_memory_reuse, _host_memory_kept
     if not isinstance(enabled, bool):
@@ -286,18 +305,23 @@ def set_host_memory_reuse(enabled: bool) -> None:
     with _lock:
         _host_memory_reuse = enabled
         if not enabled and _host_memory_kept:
-            _glibc_malloc.restore_default_policy()
+            _glibc_malloc.restore_adaptive_thresholds()
             _host_memory_kept = False
+        elif enabled and any(physical.device_type == "CPU" for physical in _initialized):
+            _apply_host_memory_reuse()
 
 
 def get_host_memory_reuse() -> bool:
-    """Whether freed host memory is kept for reuse once a strategy uses a CPU device."""
+    """The setting: whether freed host memory is to be kept for reuse once a strategy uses a
+    CPU device (whether it is, depends on the C library as well)."""
     with _lock:
         return _host_memory_reuse
 
 
 def _reset_for_tests() -> None:
     """Forget every configuration and use; for this package's own tests only."""
+    global _host_memory_reuse
     with _lock:
         _configurations.clear()
         _initialized.clear()
+        _host_memory_reuse = True  # the setting; what malloc keeps stays as it is
