@@ -28,7 +28,7 @@ glibc_only = pytest.mark.skipif(
 # lives (glibc's policy maps a block this large afresh: at least 64), and the MiB free in its
 # heap once the tensor is freed (kept for reuse: at least 64; given back: less).
 _PROBE = """
-import ctypes, resource, torch, mirrored
+import ctypes, resource, threading, torch, mirrored
 
 FIELDS = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
           "fordblks", "keepcost")
@@ -49,6 +49,11 @@ def served(mib=64):
     mapped = (mallinfo().hblkhd - before) >> 20
     del tensor
     print(mapped, mallinfo().fordblks >> 20)
+
+def served_on_a_thread():
+    thread = threading.Thread(target=served)
+    thread.start()
+    thread.join()
 
 def resident_mib():
     with open("/proc/self/statm") as statm:
@@ -117,6 +122,17 @@ def test_turned_off_before_a_strategy_it_is_applied_once_turned_on():
     )
     assert _mapped_then_kept(served[0:2], kept=False), served
     assert _mapped_then_kept(served[2:4], kept=True), served
+
+
+@glibc_only
+def test_threads_share_the_main_heap_which_keeps_blocks_of_any_size():
+    served = _run(
+        """
+        strategy()
+        served_on_a_thread()
+        """
+    )
+    assert _mapped_then_kept(served, kept=True), served
 
 
 @glibc_only

@@ -6,11 +6,13 @@ the heap's free top above its trim threshold. A training step on the CPU allocat
 activations and gradients every step, so each step faults all of them in again, page by page,
 and the kernel zeroes every page. With no mmap per allocation and no trimming, freed blocks stay
 in the heap and the next step's tensors reuse them, as a caching allocator reuses device memory.
+Threads share one arena, the main heap: a thread's own arena grows in heaps of at most 64 MiB and
+maps any larger block apart, which replica threads' logits and gradients often are.
 
-Limits: a thread other than the main one allocates from an arena of its own, whose heaps hold at
-most 64 MiB, so a block that large made on a replica thread is still mapped apart. A process
-whose malloc was configured by hand (``MALLOC_*_`` variables, ``GLIBC_TUNABLES``) and other C
-libraries (musl, macOS) are left as they are.
+The arena limit is glibc's for good once a thread has used it: turning reuse off brings the
+thresholds back, not per-thread arenas. A process whose malloc was configured by hand
+(``MALLOC_*_`` variables, ``GLIBC_TUNABLES``) and other C libraries (musl, macOS) are left as
+they are.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ __all__ = ["keep_freed_memory", "restore_adaptive_thresholds"]
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _M_MMAP_MAX = -4
-_KEEP = {_M_MMAP_MAX: 0, _M_TRIM_THRESHOLD: -1}
+_M_ARENA_MAX = -8
+_KEEP = {_M_MMAP_MAX: 0, _M_TRIM_THRESHOLD: -1, _M_ARENA_MAX: 1}
 # Once set, glibc's thresholds no longer adapt; these are the values where its adaptive ones
 # settle for large blocks (mmap threshold 32 MiB, trim threshold twice that).
 _SETTLED = {_M_MMAP_MAX: 65536, _M_MMAP_THRESHOLD: 32 << 20, _M_TRIM_THRESHOLD: 64 << 20}
