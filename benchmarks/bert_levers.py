@@ -6,17 +6,19 @@ Two measurements behind benchmarks/RESULTS.md's reading of seed_bert.py:
   32 slots, vocabulary 8192; batches made ahead by the example's masker) per side, each side in
   a process of its own, with glibc's malloc as it comes (``default``) and keeping freed memory
   (``reuse``: what a strategy on CPU devices sets, ``mirrored.config.set_host_memory_reuse``):
-  the median step, and over the timed steps the process's user and system CPU seconds and minor
-  page faults per step. Sides: ``hand`` (the example's model in a hand loop: torch's Adam,
-  ``F.cross_entropy`` on the flattened slots), ``hf`` (Transformers' ``BertForMaskedLM``, head at
-  the slots, the same loop), ``fit-1`` and ``fit-4`` (``mirrored.Model.fit`` on 1 and 4 logical
-  CPU devices). In a ``default`` process with a ``fit`` side the strategy is created with
-  ``set_host_memory_reuse(False)`` first, so that it keeps glibc's policy.
-- ``gemm``: single-thread GFLOP/s of the step's matrix products (the head's ``[4096, 128] x
-  [128, 8192]``, the layers' projections and their gradients) in torch's ``F.linear`` (its BLAS:
-  MKL in the pip wheels), in torch's bundled oneDNN (``torch.ops.mkldnn._linear_pointwise``, no
-  autograd: a kernel probe) and, when TensorFlow imports, ``tf.matmul`` (oneDNN) in a process of
-  its own with one intra-op thread.
+  the median step, and over the timed steps (after 2 warm-up steps) the process's user and
+  system CPU seconds and minor page faults per step. Sides: ``hand`` (the example's model in a
+  hand loop: torch's Adam, ``F.cross_entropy`` on the flattened slots, no accuracy kept),
+  ``hf`` (Transformers' ``BertForMaskedLM``, head at the slots, the same loop), ``fit-1`` and
+  ``fit-4`` (``mirrored.Model.fit`` on 1 and 4 logical CPU devices, keeping the weighted
+  accuracy as the example compiles it). In a ``default`` process the fit sides' strategy is
+  created after ``set_host_memory_reuse(False)``, so that it keeps glibc's policy.
+- ``gemm``: single-thread GFLOP/s of the step's matrix products in their forward shapes (the
+  head's ``[4096, 128] x [128, 8192]``, the layers' projections) in torch's ``F.linear`` (its
+  BLAS: MKL in the pip wheels), in torch's bundled oneDNN (``torch.ops.mkldnn._linear_pointwise``,
+  no autograd: a kernel probe) and, when TensorFlow imports, ``tf.matmul`` (oneDNN), each in a
+  process of its own with one intra-op thread and freed host memory kept (a strategy sets that
+  policy), so that no product pays page faults for its output; 10 calls after 10.
 
 Run from the repository root: ``.venv/bin/python benchmarks/bert_levers.py [--json PATH]``;
 ``--steps`` (timed steps a side, after 2 warm-up), ``--what steps,gemm``. The TensorFlow column
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import statistics
@@ -58,40 +61,72 @@ POLICIES = ("default", "reuse")
 GEMMS = ((4096, 128, 8192), (16384, 128, 384), (16384, 128, 512), (16384, 512, 128))
 
 
+WARMUP = 2  # steps before the timed ones
+
+
 def batches(count: int) -> list[Any]:
+    """``count`` batches of the example's masked sequences (the text taken round as needed)."""
     torch.manual_seed(0)
     texts = load_texts(None)
     tokenizer = train_tokenizer(texts["train"], VOCAB, SEQ)
     masker = MaskedLMMasker.for_tokenizer(tokenizer, SEQ)
-    ids = encode(tokenizer, texts["train"]).repeat(8, 1)[: BATCH * count]
+    ids = encode(tokenizer, texts["train"])
+    ids = ids.repeat(math.ceil(BATCH * count / len(ids)), 1)[: BATCH * count]
     generator = torch.Generator().manual_seed(0)
     return [masker(ids[i : i + BATCH], generator) for i in range(0, len(ids), BATCH)]
 
 
-def hand_step(model: Any, forward: Any) -> Any:
+class StepClock:
+    """Each step's seconds, and the process's CPU seconds and minor faults over the timed steps
+    (from the first step after the warm-up to the end of the last)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.usage: list[resource.struct_rusage] = []
+        self._begin = 0.0
+
+    def begin(self) -> None:
+        if len(self.times) == WARMUP:
+            self.usage.append(resource.getrusage(resource.RUSAGE_SELF))
+        self._begin = time.perf_counter()
+
+    def end(self) -> None:
+        self.times.append(time.perf_counter() - self._begin)
+
+    def result(self) -> dict[str, float]:
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        (before,) = self.usage
+        timed = self.times[WARMUP:]
+        return {
+            "median_step_s": statistics.median(timed),
+            "user_s_per_step": (after.ru_utime - before.ru_utime) / len(timed),
+            "system_s_per_step": (after.ru_stime - before.ru_stime) / len(timed),
+            "faults_per_step": (after.ru_minflt - before.ru_minflt) / len(timed),
+        }
+
+
+def train_by_hand(data: list[Any], model: Any, forward: Any, clock: StepClock) -> None:
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     model.train()
-
-    def step(x: dict[str, torch.Tensor], labels: torch.Tensor, weights: torch.Tensor) -> None:
+    for x, labels, weights in data:
+        clock.begin()
         loss = slot_loss(forward(model, x), labels, weights)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+        clock.end()
 
-    return step
 
-
-def fit_times(data: list[Any], devices: int) -> list[float]:
+def train_with_fit(data: list[Any], devices: int, clock: StepClock) -> None:
     cpu = config.list_physical_devices("CPU")[0]
     config.set_logical_device_configuration(cpu, [config.LogicalDeviceConfiguration()] * devices)
-    times: list[float] = []
 
     class Timer(mirrored.callbacks.Callback):
         def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
-            self.begin = time.perf_counter()
+            clock.begin()
 
         def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-            times.append(time.perf_counter() - self.begin)
+            clock.end()
 
         def reads_batch_logs(self, hook: str) -> bool:
             return False
@@ -105,7 +140,6 @@ def fit_times(data: list[Any], devices: int) -> list[float]:
                 weighted_metrics=["accuracy"],
             )
         model.fit(data, epochs=1, callbacks=[Timer()], verbose=0)
-    return times
 
 
 def run_side(side: str, policy: str, steps: int) -> dict[str, float]:
@@ -115,30 +149,16 @@ def run_side(side: str, policy: str, steps: int) -> dict[str, float]:
     elif not side.startswith("fit-"):  # the hand loops get what a CPU strategy applies
         with mirrored.MirroredStrategy(["cpu:0"]):
             pass
-    data = batches(steps + 2)
+    data = batches(steps + WARMUP)
     torch.manual_seed(0)
-    before = resource.getrusage(resource.RUSAGE_SELF)
+    clock = StepClock()
     if side.startswith("fit-"):
-        times = fit_times(data, int(side.removeprefix("fit-")))[2:]
+        train_with_fit(data, int(side.removeprefix("fit-")), clock)
+    elif side == "hand":
+        train_by_hand(data, BertMaskedLM(VOCAB, SEQ), lambda model, x: model(**x), clock)
     else:
-        if side == "hand":
-            model, forward = BertMaskedLM(VOCAB, SEQ), (lambda m, x: m(**x))
-        else:
-            model, forward = hugging_face_bert(VOCAB, SEQ, pad_id=0)
-        step, times = hand_step(model, forward), []
-        for x, labels, weights in data:
-            begin = time.perf_counter()
-            step(x, labels, weights)
-            times.append(time.perf_counter() - begin)
-        times = times[2:]
-    after = resource.getrusage(resource.RUSAGE_SELF)
-    count = len(data)  # CPU and faults include the warm-up steps' (and fit's setup)
-    return {
-        "median_step_s": statistics.median(times),
-        "user_s_per_step": (after.ru_utime - before.ru_utime) / count,
-        "system_s_per_step": (after.ru_stime - before.ru_stime) / count,
-        "faults_per_step": (after.ru_minflt - before.ru_minflt) / count,
-    }
+        train_by_hand(data, *hugging_face_bert(VOCAB, SEQ, pad_id=0), clock)
+    return clock.result()
 
 
 def onednn_linear(a: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -163,11 +183,14 @@ def product(library: str, m: int, k: int, n: int) -> Callable[[], object]:
 
 
 def gemm_rates(library: str) -> dict[str, float]:
-    """Single-thread GFLOP/s of each of GEMMS in ``library``."""
+    """Single-thread GFLOP/s of each of GEMMS in ``library``, with freed memory kept (the policy
+    a strategy sets, for every library alike): no product pays page faults for its output."""
+    with mirrored.MirroredStrategy(["cpu:0"]):
+        pass
     rates = {}
     for m, k, n in GEMMS:
         run = product(library, m, k, n)
-        for _ in range(3):
+        for _ in range(10):  # glibc settles on the blocks it reuses within a few rounds
             run()
         begin, repeats = time.perf_counter(), 10
         for _ in range(repeats):

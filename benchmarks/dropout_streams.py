@@ -1,8 +1,8 @@
 """Dropout drawn in replicas against torch's own dropout on the same tensor (issue 35): does
 drawing each replica's masks from its own random stream cost more than torch's dropout?
 
-Each row times one op on one tensor, ``--calls`` calls after 5 warm-up calls, the median call of
-``--rounds`` rounds (rounds interleave the two sides, so a noisy moment hits both):
+Each row times one op on one tensor, ``--calls`` calls after 5 warm-up calls: the median call,
+of the best of ``--rounds`` rounds (rounds interleave the two sides, so a noisy moment hits both):
 
 - ``torch``: the op on the calling thread outside any strategy, with one intra-op thread (what
   a replica has when 2 or more replicas share 2 cores), drawing from torch's global generator:
