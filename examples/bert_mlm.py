@@ -442,8 +442,9 @@ class BertLayer(nn.Module):
     it, so that the example does the work its peers do: unlike ``nn.TransformerEncoderLayer``,
     no dropout inside the feed-forward block (on its widest tensor, the intermediate
     activations). One ``scaled_dot_product_attention`` call on views of the packed q/k/v
-    projection: torch's layer splits that projection with copies and zero-filled gradients. Inside a strategy's replicas
-    the attention's dropout draws from the replica's own random stream, as every dropout does.
+    projection: torch's layer splits that projection with copies and zero-filled gradients.
+    Inside a strategy's replicas the attention's dropout draws from the replica's own random
+    stream, as every dropout does.
     """
 
     def __init__(self, hidden_dim: int, num_heads: int, intermediate_dim: int, dropout: float):
