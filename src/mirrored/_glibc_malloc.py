@@ -6,8 +6,10 @@ the heap's free top above its trim threshold. A training step on the CPU allocat
 activations and gradients every step, so each step faults all of them in again, page by page,
 and the kernel zeroes every page. With no mmap per allocation and no trimming, freed blocks stay
 in the heap and the next step's tensors reuse them, as a caching allocator reuses device memory.
-Threads share one arena, the main heap: a thread's own arena grows in heaps of at most 64 MiB and
-maps any larger block apart, which replica threads' logits and gradients often are.
+No new arena either: a thread's own arena grows in heaps of at most 64 MiB and maps any larger
+block apart, which replica threads' logits and gradients often are. A thread that allocates for
+the first time from then on shares the arenas that exist, the main heap first (glibc hands them
+out in turn); one that already has its own arena keeps it.
 
 The arena limit is glibc's for good once a thread has used it: turning reuse off brings the
 thresholds back, not per-thread arenas. A process whose malloc was configured by hand

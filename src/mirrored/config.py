@@ -290,8 +290,9 @@ def set_host_memory_reuse(enabled: bool) -> None:
     step faults its memory in again, page by page. Once a strategy takes a CPU device into use
     (at once, if one already has), freed memory stays in malloc's heap for the next step
     instead, for the whole process and the processes it forks (a ``DataLoader``'s workers): it
-    then holds its peak heap rather than giving memory back between steps. Threads then share
-    malloc's main heap (glibc's per-thread heaps hold no block of 64 MiB or more), for good.
+    then holds its peak heap rather than giving memory back between steps. Threads that start
+    allocating from then on share the existing arenas, the main heap first, rather than make
+    their own (glibc's per-thread heaps hold no block of 64 MiB or more), for good.
 
     ``False`` gives the kept memory back and maps large blocks apart again, for processes that
     must shrink after a peak, at fixed thresholds (32 MiB to map, 64 MiB to trim: where glibc's
