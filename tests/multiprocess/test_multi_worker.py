@@ -415,6 +415,13 @@ def test_batch_norm_buffers_cross_the_workers_in_a_fixed_number_of_collectives(
             for replica in result["replicas"]:
                 _assert_close(expected, replica)
                 assert torch.equal(replica["1.num_batches_tracked"], torch.tensor(len(losses)))
+        # Bit for bit on every replica of every worker: the end of a run takes the running
+        # statistics the optimizer averaged as agreeing, unchecked.
+        first = results[0]["replicas"][0]
+        for result in results:
+            for replica in result["replicas"]:
+                for name, value in replica.items():
+                    assert torch.equal(value, first[name]), name
     assert collectives[1] == collectives[3]
 
 

@@ -239,3 +239,69 @@ def test_the_changed_buffers_of_each_dtype_cross_as_one_tensor_and_agreeing_ones
             assert torch.equal(getattr(model, name), value), name
     assert torch.equal(model.seen, torch.tensor([1.5]))
     assert_replicas_identical(model)
+
+
+def _bn_net() -> nn.Module:
+    torch.manual_seed(4)
+    return nn.Sequential(nn.Linear(12, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 5))
+
+
+def _gathered_dtypes(strategy) -> list[list[torch.dtype]]:
+    """Spy: the dtypes of the tensors each all_gather_tensors call sends."""
+    calls: list[list[torch.dtype]] = []
+    gather = strategy.communicator.all_gather_tensors
+
+    def counted(replica, tensors, axis):
+        calls.append([t.dtype for t in tensors])
+        return gather(replica, tensors, axis)
+
+    strategy.communicator.all_gather_tensors = counted
+    return calls
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+def test_running_statistics_the_update_averaged_do_not_cross_again(devices):
+    """The optimizer's step averages BatchNorm's running statistics, so they agree on every
+    replica when the run ends: the end of the run checks only the counters the forward moved."""
+    batches = make_batches(num_examples=12 * devices, batch_size=4 * devices)
+    with mirrored.MirroredStrategy([f"cpu:{i}" for i in range(devices)]) as strategy:
+        module = _bn_net()
+        model, optimizer = strategy.mirror(module, torch.optim.SGD(module.parameters(), lr=0.1))
+        calls = _gathered_dtypes(strategy)
+        _train(strategy, model, optimizer, batches)
+        assert_replicas_identical(model)
+        assert model[1].num_batches_tracked.item() == len(batches)
+    assert calls and all(dtypes == [torch.int64] for dtypes in calls)
+
+
+def test_a_forward_after_the_update_is_averaged_when_the_run_ends():
+    """Running statistics a forward changes after the optimizer averaged them differ again on
+    each replica: the end of the run averages them."""
+    x, y = make_batches(num_examples=12)[0]
+
+    def mirror(strategy):
+        module = _bn_net()
+        return strategy.mirror(module, torch.optim.SGD(module.parameters(), lr=0.1))
+
+    with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:  # the update alone
+        model, optimizer = mirror(strategy)
+        (batch,) = strategy.experimental_distribute_dataset([(x, y)])
+        strategy.run(replica_step, (batch, model, optimizer))
+        updated = copy.deepcopy(model.replicas[0])
+    shards = [copy.deepcopy(updated) for _ in range(2)]
+    for shard, part in zip(shards, x.split(6), strict=True):
+        shard(part)
+    with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
+        model, optimizer = mirror(strategy)
+        (batch,) = strategy.experimental_distribute_dataset([(x, y)])
+
+        def step(batch):
+            replica_step(batch, model, optimizer)
+            model(batch[0])  # the running statistics move again, by each replica's shard
+
+        strategy.run(step, (batch,))
+        assert_replicas_identical(model)
+        for name in ("running_mean", "running_var"):
+            expected = (getattr(shards[0][1], name) + getattr(shards[1][1], name)) / 2
+            assert not torch.equal(getattr(shards[0][1], name), expected)
+            torch.testing.assert_close(getattr(model[1], name), expected)

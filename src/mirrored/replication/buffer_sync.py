@@ -8,7 +8,9 @@ aggregation decides: floating buffers default to ``MEAN`` (as BatchNorm's runnin
 averaged), others to ``NONE``, under which differing copies are an error naming the buffer.
 ``set_buffer_aggregation`` chooses per buffer (``SUM`` adds up the replicas' changes: a count of
 examples seen). Copies that agree are otherwise left untouched, so buffers every replica
-updates alike stay bit for bit what one device computes. An integer buffer changed without a
+updates alike stay bit for bit what one device computes. Buffers the optimizer's step has just
+made the same everywhere (BatchNorm's running statistics, averaged) do not cross again unless
+their module changed a buffer after it. An integer buffer changed without a
 chosen aggregation warns once even where its copies agree (``BufferAggregationWarning``): an
 example count on equal shards agrees and is still each shard's (TensorFlow refuses any update of
 a variable without aggregation in a replica); BatchNorm's ``num_batches_tracked``, which counts
@@ -102,7 +104,12 @@ class BufferSync:
             ]
             for r in replicas
         ]
+        # Per buffer, the positions of its owner's buffers (a module's own, itself included).
+        self._siblings = [_siblings(slots) for slots in self._slots]
         self._seen: list[list[tuple[int, int]]] = [[] for _ in replicas]
+        # Per replica: buffers made the same on every replica during this run (averaged by the
+        # optimizer), with their owner's buffers as they were then.
+        self._agreed: list[dict[int, list[tuple[int, int]]]] = [{} for _ in replicas]
         self._bases: list[dict[int, torch.Tensor]] = [{} for _ in replicas]
         self._warned: set[str] = set()  # integer buffers changed without an aggregation
         for replica_id in range(len(replicas)):
@@ -128,9 +135,22 @@ class BufferSync:
 
     def _record(self, replica_id: int) -> None:
         """Remember each buffer as it is now (and the value a ``SUM`` adds changes to)."""
-        current = self._current(replica_id)
-        self._seen[replica_id] = [(id(t), t._version) if t is not None else (0, 0) for t in current]
+        self._seen[replica_id] = [_state(t) for t in self._current(replica_id)]
         self._bases[replica_id] = self._sum_bases(replica_id)
+        self._agreed[replica_id] = {}
+
+    def agree(self, replica_id: int, tensors: Sequence[torch.Tensor]) -> None:
+        """Inside a run, on every replica: ``tensors`` (buffers of replica ``replica_id``) were
+        just made the same on every replica, as the optimizer's mean of BatchNorm's running
+        statistics makes them. The end of the run leaves them out unless their module changed
+        a buffer since (a forward after the update moves the running statistics again)."""
+        chosen = {id(t) for t in tensors}
+        current = self._current(replica_id)
+        states = [_state(t) for t in current]
+        for index, tensor in enumerate(current):
+            if id(tensor) in chosen and self._chosen(index) is not VariableAggregation.SUM:
+                siblings = self._siblings[replica_id][index]
+                self._agreed[replica_id][index] = [states[i] for i in siblings]
 
     def _sum_bases(self, replica_id: int) -> dict[int, torch.Tensor]:
         return {
@@ -159,16 +179,8 @@ class BufferSync:
         changed the same everywhere (a ``ValueError`` naming a buffer that may not differ)."""
         replica_id = replica.local_replica_id
         current = self._current(replica_id)
-        changed = [
-            tensor is not None and (id(tensor), tensor._version) != seen
-            for tensor, seen in zip(current, self._seen[replica_id], strict=True)
-        ]
-        # Some kernels write in place without counting a version (BatchNorm's running
-        # statistics): a module that changed one buffer counts as having changed all of them.
-        slots = self._slots[replica_id]
-        owners = {id(slot[0]) for slot, flag in zip(slots, changed, strict=True) if flag}
-        changed = [id(owner) in owners for owner, _, _ in slots]
         strategy = replica.strategy
+        changed = self._changed(replica_id, current)
         flags = torch.tensor(changed, dtype=torch.int32, device=replica.device)
         (anywhere,) = strategy.all_reduce_tensors(replica, ReduceOp.SUM, [flags])
         indices = anywhere.nonzero().flatten().tolist()
@@ -186,6 +198,20 @@ class BufferSync:
                 with torch.no_grad():
                     tensor.copy_(value.reshape(tensor.shape))
         self._record(replica_id)
+
+    def _changed(self, replica_id: int, current: list[torch.Tensor | None]) -> list[bool]:
+        """Per buffer, whether this replica changed it since the last run, and it may differ."""
+        seen = self._seen[replica_id]
+        changed = [_state(t) != then for t, then in zip(current, seen, strict=True)]
+        # Some kernels write in place without counting a version (BatchNorm's running
+        # statistics): a module that changed one buffer counts as having changed all of them.
+        slots = self._slots[replica_id]
+        owners = {id(slot[0]) for slot, flag in zip(slots, changed, strict=True) if flag}
+        changed = [id(owner) in owners for owner, _, _ in slots]
+        for index, then in self._agreed[replica_id].items():  # agreed, and untouched since
+            if [_state(current[i]) for i in self._siblings[replica_id][index]] == then:
+                changed[index] = False
+        return changed
 
     def _warn_unchosen(self, index: int, tensor: torch.Tensor) -> None:
         """Once per buffer: an integer buffer changed alike on every replica, with no
@@ -259,6 +285,19 @@ def _every_copy(
         for position, part, count in zip(group, parts, counts, strict=True):
             copies[position] = (part, count > 0)
     return [copies[position] for position in range(len(tensors))]
+
+
+def _state(tensor: torch.Tensor | None) -> tuple[int, int]:
+    """What tells a buffer's change: which tensor it is and its in-place version."""
+    return (0, 0) if tensor is None else (id(tensor), tensor._version)
+
+
+def _siblings(slots: Sequence[tuple[nn.Module, str, str]]) -> list[list[int]]:
+    """Per buffer, the positions of every buffer its owner module holds."""
+    by_owner: dict[int, list[int]] = {}
+    for index, (owner, _, _) in enumerate(slots):
+        by_owner.setdefault(id(owner), []).append(index)
+    return [by_owner[id(owner)] for owner, _, _ in slots]
 
 
 def _tensor(tensor: torch.Tensor | None, name: str) -> torch.Tensor:

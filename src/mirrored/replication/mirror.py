@@ -91,7 +91,9 @@ def mirror_module(
             for rp in replica_params[1:]
         ]
         own = [[rp[i] for i in share] for rp in replica_params]
-        mirrored_optimizer = MirroredOptimizer(strategy, copies, own, stats, features)
+        mirrored_optimizer = MirroredOptimizer(
+            strategy, copies, own, stats, features, mirrored.buffer_sync
+        )
         strategy.track_replicated(mirrored_optimizer)
         mirrored._optimizers.add(mirrored_optimizer)
         mirrored.keep_reducer(mirrored_optimizer.update_plan.reducer)

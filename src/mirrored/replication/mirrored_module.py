@@ -121,6 +121,12 @@ class MirroredModule(SyncsBuffers, CarriesOutsideEdits):
     def has_buffers(self) -> bool:
         return not self._buffer_sync.empty
 
+    @property
+    def buffer_sync(self) -> BufferSync:
+        """What keeps the replicas' buffers the same after each run."""
+        buffer_sync: BufferSync = self._buffer_sync
+        return buffer_sync
+
     def sync_buffers(self, replica: ReplicaContext) -> None:
         """At the end of a run, on every replica: the buffers any replica changed made the
         same on all (:mod:`mirrored.replication.buffer_sync`)."""

@@ -37,6 +37,7 @@ from mirrored.torch_patches import hold_optimizer_routes
 
 if TYPE_CHECKING:
     from mirrored.core.replica_set import ReplicaSet
+    from mirrored.replication.buffer_sync import BufferSync
 
 __all__ = ["MirroredOptimizer"]
 
@@ -59,6 +60,7 @@ class MirroredOptimizer(ReplicaOptimizers):
         params: Sequence[Sequence[nn.Parameter]],
         running_stats: Sequence[Sequence[torch.Tensor]],
         features: MirrorFeatures = NO_FEATURES,
+        buffer_sync: BufferSync | None = None,
     ) -> None:
         super().__init__(optimizers)
         self._strategy = strategy
@@ -73,6 +75,7 @@ class MirroredOptimizer(ReplicaOptimizers):
         strategy.at_close(self._torch_routes.release)  # torch is torch again once it closes
         self._params = [list(p) for p in params]
         self._running_stats = [list(b) for b in running_stats]
+        self._buffer_sync = buffer_sync  # told which running statistics the update averaged
         self._plain_tensors = all(type(p.data) is torch.Tensor for p in self._params[0])
         # Accumulation, local SGD, ZeRO, the reducer and owner updates, planned once.
         self._plan = plan_updates(features, optimizers, params)
@@ -287,11 +290,7 @@ class MirroredOptimizer(ReplicaOptimizers):
             self._open_step(replica)
         result = self.optimizers[replica_id].step()
         if average:
-            tensors = [p.data for p in self._params[replica_id]] + self._running_stats[replica_id]
-            averaged = self._strategy.all_reduce_tensors(replica, ReduceOp.MEAN, tensors)
-            with torch.no_grad():
-                for tensor, value in zip(tensors, averaged, strict=True):
-                    tensor.copy_(value)
+            self._average(replica, [p.data for p in self._params[replica_id]])
         return result
 
     def _synchronous_update(self, replica: ReplicaContext) -> Any:
@@ -312,7 +311,7 @@ class MirroredOptimizer(ReplicaOptimizers):
             self._plan.zero.reduce_gradients(replica, everyone)
             self._after_update[replica_id] = False  # each replica holds its share
             if self._running_stats[replica_id]:
-                self._average_running_stats(replica)
+                self._average(replica)
         if self._plan.zero is not None:
             return self._plan.zero.step(replica)
         if self._plan.central is not None:
@@ -354,17 +353,23 @@ class MirroredOptimizer(ReplicaOptimizers):
         else:
             result = self.optimizers[replica_id].step(closure)
         if self._running_stats[replica_id]:  # after any forward the closure ran
-            self._average_running_stats(replica)
+            self._average(replica)
         reducer.end_step(replica_id)
         return result
 
-    def _average_running_stats(self, replica: ReplicaContext) -> None:
-        """BatchNorm running statistics stay identical: their mean over replicas (TensorFlow)."""
-        buffers = self._running_stats[replica.local_replica_id]
-        averaged = replica.strategy.all_reduce_tensors(replica, ReduceOp.MEAN, buffers)
+    def _average(self, replica: ReplicaContext, tensors: Sequence[torch.Tensor] = ()) -> None:
+        """``tensors`` and BatchNorm's running statistics made their mean over the replicas
+        (TensorFlow's aggregation of the statistics). The all-reduce hands every replica the
+        same sum, so the means agree bit for bit: the end of the run need not check them."""
+        replica_id = replica.local_replica_id
+        stats = self._running_stats[replica_id]
+        everything = [*tensors, *stats]
+        averaged = replica.strategy.all_reduce_tensors(replica, ReduceOp.MEAN, everything)
         with torch.no_grad():
-            for buffer, value in zip(buffers, averaged, strict=True):
-                buffer.copy_(value)
+            for tensor, value in zip(everything, averaged, strict=True):
+                tensor.copy_(value)
+        if stats and self._buffer_sync is not None:
+            self._buffer_sync.agree(replica_id, stats)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The current replica's gradients inside ``strategy.run``, every replica's outside;
