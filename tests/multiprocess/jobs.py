@@ -112,7 +112,8 @@ def custom_loop(
     def counting(transport: str, all_reduce: Callable[..., Any]) -> Callable[..., Any]:
         def counted(*args: Any, **kwargs: Any) -> Any:
             tensor = next(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
-            sizes[transport].append(tensor.numel())
+            if tensor.is_floating_point():  # not a gather's bytes, summed as integers
+                sizes[transport].append(tensor.numel())
             return all_reduce(*args, **kwargs)
 
         return counted
@@ -249,6 +250,7 @@ def same_host_sums(out: Path, fallback: str = "") -> None:
         expected = {name: value.detach().contiguous().clone() for name, value in values.items()}
         for value in expected.values():
             torch.distributed.all_reduce(value)
+        gathers = _gathers(group, rank)
         _save(
             strategy,
             out,
@@ -257,8 +259,42 @@ def same_host_sums(out: Path, fallback: str = "") -> None:
                 "strided": sums["strided"].stride(),
                 "gloo": expected,
                 "shared_memory": group.uses_shared_memory,
+                **gathers,
             },
         )
+
+
+def _gathers(group: Any, rank: int) -> dict[str, Any]:
+    """Gathers through the worker group beside gloo's own, of bits an addition could change
+    (-0.0, a NaN's payload, the last bits of a float64), and how many went through gloo."""
+    nan = torch.tensor([0x7FF8_0000_DEAD_BEEF], dtype=torch.int64).view(torch.float64)
+    values = {
+        "signed zeros and a NaN": torch.cat([torch.tensor([-0.0, 0.0, rank / 3]).double(), nan]),
+        "bool": torch.tensor([True, rank == 1]),
+        "complex128": torch.tensor([1 + 2j, rank - 1j], dtype=torch.complex128),
+        "odd int8": torch.arange(5, dtype=torch.int8) - rank,
+        "scalar": torch.tensor(rank * 7, dtype=torch.int64),
+        "empty": torch.zeros(2, 0),
+        "strided": torch.arange(12.0).reshape(3, 4).t() + rank,
+    }
+    calls = []
+    backend_gather = torch.distributed.all_gather
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return backend_gather(*args, **kwargs)
+
+    torch.distributed.all_gather = counted
+    try:
+        gathered = {name: group.all_gather(value, name) for name, value in values.items()}
+    finally:
+        torch.distributed.all_gather = backend_gather
+    by_gloo = {}
+    for name, value in values.items():
+        parts = [torch.empty_like(value.contiguous()) for _ in range(group.world_size)]
+        torch.distributed.all_gather(parts, value.contiguous())
+        by_gloo[name] = parts
+    return {"gathered": gathered, "gloo_gathered": by_gloo, "gathers_by_gloo": len(calls)}
 
 
 def local_failure(out: Path) -> None:

@@ -11,6 +11,7 @@ import re
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -282,6 +283,8 @@ def test_workers_on_one_machine_sum_through_shared_memory_as_gloo_does(
                 torch.testing.assert_close(actual, expected, rtol=tolerance, atol=tolerance)
             # Every worker holds the same bits.
             assert torch.equal(actual, results[0]["sums"][name]), name
+        _assert_same_bits(result["gathered"], result["gloo_gathered"])
+        assert result["gathers_by_gloo"] == 0  # all through shared memory
     assert torch.equal(
         results[0]["sums"]["int64"], torch.arange(7) * sum(range(1, num_workers + 1))
     )
@@ -298,6 +301,19 @@ def test_workers_keep_gloo_where_shared_memory_cannot_be_set_up(
         assert not result["shared_memory"]
         for name, expected in result["gloo"].items():
             assert torch.equal(result["sums"][name], expected), name
+        _assert_same_bits(result["gathered"], result["gloo_gathered"])
+        assert result["gathers_by_gloo"] == len(result["gathered"])
+
+
+def _assert_same_bits(gathered: dict[str, Any], expected: dict[str, Any]) -> None:
+    """Every worker's tensor, as gloo gathers it: dtype, shape and bytes (-0.0 and a NaN's
+    payload included)."""
+    for name, parts in expected.items():
+        assert len(gathered[name]) == len(parts), name
+        for actual, wanted in zip(gathered[name], parts, strict=True):
+            assert actual.dtype == wanted.dtype and actual.shape == wanted.shape, name
+            as_bytes = [t.contiguous().reshape(-1).view(torch.uint8) for t in (actual, wanted)]
+            assert torch.equal(*as_bytes), name
 
 
 def test_a_worker_dying_during_the_shared_memory_set_up_fails_the_others_at_once(
