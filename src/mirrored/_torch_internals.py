@@ -21,7 +21,7 @@ import inspect
 import re
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
 from types import CodeType, FrameType, FunctionType, ModuleType
 from typing import Any
@@ -37,6 +37,7 @@ __all__ = [
     "aten_takes_generator",
     "backward_hooks_held",
     "body_without_torch_function_check",
+    "bookkeeping",
     "caller_frame",
     "code_of",
     "disable_torch_function",
@@ -159,6 +160,19 @@ disable_torch_function: Callable[[], AbstractContextManager[Any]] = getattr(
 """``torch._C.DisableTorchFunction()``: a context in which no torch-function mode or override
 runs. Fallback, on a torch without it: a context that changes nothing (the modes then run, and
 cost a Python call per op)."""
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def bookkeeping(tensors: Iterable[torch.Tensor | None]) -> AbstractContextManager[Any]:
+    """Around mirrored's own work on ``tensors`` inside a replica (gradients summed, buffers
+    checked, ``.grad`` cleared): no torch-function mode runs, where each would cost a Python
+    call per op and per attribute read (``t.grad``, ``t._version``) and the replicas share one
+    GIL. The replicas' random streams draw nothing there. A tensor subclass among ``tensors``
+    keeps its ``__torch_function__``: then nothing changes."""
+    plain = all(t is None or type(t) in _PLAIN for t in tensors)
+    return disable_torch_function() if plain else nullcontext()
 
 
 def caller_frame(depth: int) -> FrameType:

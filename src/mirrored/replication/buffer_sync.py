@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from mirrored._torch_internals import BatchNormBase
+from mirrored._torch_internals import BatchNormBase, bookkeeping
 from mirrored.core.values import ReduceOp, VariableAggregation
 
 if TYPE_CHECKING:
@@ -177,8 +177,12 @@ class BufferSync:
     def sync(self, replica: ReplicaContext) -> None:
         """Collective, at the end of a run on every replica: make the buffers any replica
         changed the same everywhere (a ``ValueError`` naming a buffer that may not differ)."""
+        current = self._current(replica.local_replica_id)
+        with bookkeeping(current):
+            self._sync(replica, current)
+
+    def _sync(self, replica: ReplicaContext, current: list[torch.Tensor | None]) -> None:
         replica_id = replica.local_replica_id
-        current = self._current(replica_id)
         strategy = replica.strategy
         changed = self._changed(replica_id, current)
         flags = torch.tensor(changed, dtype=torch.int32, device=replica.device)

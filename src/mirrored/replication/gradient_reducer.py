@@ -42,7 +42,11 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from mirrored._torch_internals import queue_backward_callback, will_engine_execute_node
+from mirrored._torch_internals import (
+    bookkeeping,
+    queue_backward_callback,
+    will_engine_execute_node,
+)
 from mirrored.comm.bucketing import plan_gradient_buckets
 from mirrored.comm.wire_compression import bucket_compressor
 from mirrored.replication.outside_edits import internal_hook
@@ -298,6 +302,10 @@ class OverlappedGradientReducer:
     def finish_pass(self, r: int) -> None:
         """Replica ``r``'s backward is over (or ``optimizer.step()`` came without one): pack
         what it did not produce, wait for every bucket, and make the sums its gradients."""
+        with bookkeeping(self._params[r]):
+            self._finish_pass(r)
+
+    def _finish_pass(self, r: int) -> None:
         replica = self._strategy.active_replica(r)
         if replica is None:
             return
@@ -396,7 +404,10 @@ def _on_grad_of(
     collector cannot see, so a strong reference back would keep the reducer, its strategy and
     the strategy's replica threads alive for as long as the process runs."""
     alive = reducer()
-    return None if alive is None else alive._on_grad(r, i, grad)
+    if alive is None:
+        return None
+    with bookkeeping((grad, alive._params[r][i])):
+        return alive._on_grad(r, i, grad)
 
 
 def _accumulator(param: nn.Parameter) -> Any:

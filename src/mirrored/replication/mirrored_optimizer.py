@@ -15,13 +15,13 @@ accumulation, local SGD, ZeRO sharding.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from mirrored._torch_internals import disable_torch_function
+from mirrored._torch_internals import bookkeeping
 from mirrored.core.context import ReplicaContext
 from mirrored.core.param_groups import snapshot, take_group_hyperparameters
 from mirrored.core.replica_meeting import SyncMismatchError
@@ -76,7 +76,6 @@ class MirroredOptimizer(ReplicaOptimizers):
         self._params = [list(p) for p in params]
         self._running_stats = [list(b) for b in running_stats]
         self._buffer_sync = buffer_sync  # told which running statistics the update averaged
-        self._plain_tensors = all(type(p.data) is torch.Tensor for p in self._params[0])
         # Accumulation, local SGD, ZeRO, the reducer and owner updates, planned once.
         self._plan = plan_updates(features, optimizers, params)
         self.forward_loads()  # the program's own optimizer.load_state_dict() reaches every replica
@@ -215,9 +214,8 @@ class MirroredOptimizer(ReplicaOptimizers):
         return self._step_reduced(replica, self._plan.reducer, global_closure)
 
     def _without_torch_function(self) -> AbstractContextManager[Any]:
-        """Torch-function modes (the per-replica RNG's) cost a Python call per op and replicas
-        share one GIL; the update of plain tensors needs none of them."""
-        return disable_torch_function() if self._plain_tensors else nullcontext()
+        """The update is mirrored's bookkeeping: no torch-function mode for plain tensors."""
+        return bookkeeping(self._params[0])
 
     def _step(self, replica: ReplicaContext) -> Any:
         window, replica_id = self._plan.window, replica.local_replica_id
@@ -378,6 +376,10 @@ class MirroredOptimizer(ReplicaOptimizers):
             return
         replica = replica_context_of(self._strategy)
         ids = range(len(self.optimizers)) if replica is None else [replica.local_replica_id]
+        with self._without_torch_function():
+            self._zero_grad(ids, set_to_none)
+
+    def _zero_grad(self, ids: Sequence[int], set_to_none: bool) -> None:
         for replica_id in ids:
             if self._plan.window is None or not self._plan.window.holding(replica_id):
                 self.optimizers[replica_id].zero_grad(set_to_none=set_to_none)
