@@ -305,3 +305,39 @@ def test_a_forward_after_the_update_is_averaged_when_the_run_ends():
             expected = (getattr(shards[0][1], name) + getattr(shards[1][1], name)) / 2
             assert not torch.equal(getattr(shards[0][1], name), expected)
             torch.testing.assert_close(getattr(model[1], name), expected)
+
+
+class _FunctionalNorm(nn.BatchNorm1d):
+    """A BatchNorm whose own forward updates the running statistics through F.batch_norm and
+    keeps no count: nothing moves a version counter."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__(features, track_running_stats=True)
+        self.num_batches_tracked = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, True)
+
+
+@pytest.mark.parametrize("norm", ["subclass", "functional call"])
+def test_statistics_moved_without_a_version_after_the_update_are_averaged(norm):
+    """The update's mean makes the statistics agree; a later change that moves no version
+    counter (a subclass's F.batch_norm, a functional call on a BatchNorm's buffers) makes them
+    differ again, and the end of the run finds it."""
+    torch.manual_seed(4)
+    layer = _FunctionalNorm(16) if norm == "subclass" else nn.BatchNorm1d(16)
+    module = nn.Sequential(nn.Linear(12, 16), layer, nn.ReLU(), nn.Linear(16, 5))
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    x, y = make_batches(num_examples=12)[0]
+    with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
+        model, optimizer = strategy.mirror(module, optimizer)
+        (batch,) = strategy.experimental_distribute_dataset([(x, y)])
+
+        def step(batch):
+            replica_step(batch, model, optimizer)
+            bn = model[1]
+            with torch.no_grad():
+                F.batch_norm(model[0](batch[0]), bn.running_mean, bn.running_var, training=True)
+
+        strategy.run(step, (batch,))
+        assert_replicas_identical(model)

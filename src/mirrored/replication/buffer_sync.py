@@ -104,12 +104,10 @@ class BufferSync:
             ]
             for r in replicas
         ]
-        # Per buffer, the positions of its owner's buffers (a module's own, itself included).
-        self._siblings = [_siblings(slots) for slots in self._slots]
         self._seen: list[list[tuple[int, int]]] = [[] for _ in replicas]
-        # Per replica: buffers made the same on every replica during this run (averaged by the
-        # optimizer), with their owner's buffers as they were then.
-        self._agreed: list[dict[int, list[tuple[int, int]]]] = [{} for _ in replicas]
+        # Per replica: the buffers made the same on every replica during this run (averaged by
+        # the optimizer), and their bytes then.
+        self._agreed: list[tuple[list[int], torch.Tensor | None]] = [([], None) for _ in replicas]
         self._bases: list[dict[int, torch.Tensor]] = [{} for _ in replicas]
         self._warned: set[str] = set()  # integer buffers changed without an aggregation
         for replica_id in range(len(replicas)):
@@ -137,20 +135,22 @@ class BufferSync:
         """Remember each buffer as it is now (and the value a ``SUM`` adds changes to)."""
         self._seen[replica_id] = [_state(t) for t in self._current(replica_id)]
         self._bases[replica_id] = self._sum_bases(replica_id)
-        self._agreed[replica_id] = {}
+        self._agreed[replica_id] = ([], None)
 
     def agree(self, replica_id: int, tensors: Sequence[torch.Tensor]) -> None:
         """Inside a run, on every replica: ``tensors`` (buffers of replica ``replica_id``) were
         just made the same on every replica, as the optimizer's mean of BatchNorm's running
-        statistics makes them. The end of the run leaves them out unless their module changed
-        a buffer since (a forward after the update moves the running statistics again)."""
+        statistics makes them. The end of the run leaves them out if their bytes are still
+        those (a forward after the update moves the statistics again, often without moving a
+        version counter: BatchNorm's kernel writes them in place uncounted)."""
         chosen = {id(t) for t in tensors}
         current = self._current(replica_id)
-        states = [_state(t) for t in current]
-        for index, tensor in enumerate(current):
-            if id(tensor) in chosen and self._chosen(index) is not VariableAggregation.SUM:
-                siblings = self._siblings[replica_id][index]
-                self._agreed[replica_id][index] = [states[i] for i in siblings]
+        indices = [
+            index
+            for index, tensor in enumerate(current)
+            if id(tensor) in chosen and self._chosen(index) is not VariableAggregation.SUM
+        ]
+        self._agreed[replica_id] = (indices, _bytes_of([current[i] for i in indices]))
 
     def _sum_bases(self, replica_id: int) -> dict[int, torch.Tensor]:
         return {
@@ -212,8 +212,10 @@ class BufferSync:
         slots = self._slots[replica_id]
         owners = {id(slot[0]) for slot, flag in zip(slots, changed, strict=True) if flag}
         changed = [id(owner) in owners for owner, _, _ in slots]
-        for index, then in self._agreed[replica_id].items():  # agreed, and untouched since
-            if [_state(current[i]) for i in self._siblings[replica_id][index]] == then:
+        indices, agreed = self._agreed[replica_id]
+        now = _bytes_of([current[i] for i in indices])
+        if agreed is not None and now is not None and torch.equal(now, agreed):
+            for index in indices:  # as the update left them on every replica
                 changed[index] = False
         return changed
 
@@ -296,12 +298,12 @@ def _state(tensor: torch.Tensor | None) -> tuple[int, int]:
     return (0, 0) if tensor is None else (id(tensor), tensor._version)
 
 
-def _siblings(slots: Sequence[tuple[nn.Module, str, str]]) -> list[list[int]]:
-    """Per buffer, the positions of every buffer its owner module holds."""
-    by_owner: dict[int, list[int]] = {}
-    for index, (owner, _, _) in enumerate(slots):
-        by_owner.setdefault(id(owner), []).append(index)
-    return [by_owner[id(owner)] for owner, _, _ in slots]
+def _bytes_of(tensors: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
+    """The tensors' bytes end to end (None for none, or where one is None)."""
+    if not tensors or any(t is None for t in tensors):
+        return None
+    flat = [t.detach().reshape(-1).contiguous().view(torch.uint8) for t in tensors if t is not None]
+    return torch.cat(flat)
 
 
 def _tensor(tensor: torch.Tensor | None, name: str) -> torch.Tensor:
