@@ -108,15 +108,26 @@ def custom_loop(
     if user_group:
         _form_group(user_group)
     sizes: dict[str, list[int]] = {"gloo": [], "shared memory": []}
+    gathering = threading.local()  # inside a gather (one sum of the workers' bytes): not counted
 
     def counting(transport: str, all_reduce: Callable[..., Any]) -> Callable[..., Any]:
         def counted(*args: Any, **kwargs: Any) -> Any:
             tensor = next(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
-            if tensor.is_floating_point():  # not a gather's bytes, summed as integers
+            if not getattr(gathering, "on", False):
                 sizes[transport].append(tensor.numel())
             return all_reduce(*args, **kwargs)
 
         return counted
+
+    def marked(*args: Any, **kwargs: Any) -> Any:
+        gathering.on = True
+        try:
+            return gather(*args, **kwargs)
+        finally:
+            gathering.on = False
+
+    gather = worker_group.gather_by_sum
+    worker_group.gather_by_sum = marked  # type: ignore[assignment]
 
     # The cross-process all-reduces, by size and transport.
     shared = SameHostAllReduce

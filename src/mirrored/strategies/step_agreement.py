@@ -11,7 +11,8 @@ from collections import deque
 
 import torch
 
-from mirrored.comm.worker_group import PendingCollective, WorkerGroup
+from mirrored.comm.gather_by_sum import Pending
+from mirrored.comm.worker_group import WorkerGroup
 
 __all__ = ["WorkerStepAgreement"]
 
@@ -32,7 +33,7 @@ class WorkerStepAgreement:
     def __init__(self, group: WorkerGroup, wait_for_global_size: bool) -> None:
         self._group = group
         self._wait = wait_for_global_size
-        self._pending: deque[tuple[list[torch.Tensor], PendingCollective]] = deque()
+        self._pending: deque[tuple[list[torch.Tensor], Pending]] = deque()
         self._steps = 0
         self._per_step = True
         group.add_explainer(self._explain)
