@@ -37,6 +37,7 @@ __all__ = [
     "aten_takes_generator",
     "backward_hooks_held",
     "body_without_torch_function_check",
+    "all_plain",
     "bookkeeping",
     "caller_frame",
     "code_of",
@@ -165,13 +166,20 @@ cost a Python call per op)."""
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-def bookkeeping(tensors: Iterable[torch.Tensor | None]) -> AbstractContextManager[Any]:
-    """Around mirrored's own work on ``tensors`` inside a replica (gradients summed, buffers
-    checked, ``.grad`` cleared): no torch-function mode runs, where each would cost a Python
-    call per op and per attribute read (``t.grad``, ``t._version``) and the replicas share one
-    GIL. The replicas' random streams draw nothing there. A tensor subclass among ``tensors``
-    keeps its ``__torch_function__``: then nothing changes."""
-    plain = all(t is None or type(t) in _PLAIN for t in tensors)
+def all_plain(tensors: Iterable[torch.Tensor | None]) -> bool:
+    """Whether none of ``tensors`` is of a tensor subclass (whose ``__torch_function__`` is
+    its own)."""
+    return all(t is None or type(t) in _PLAIN for t in tensors)
+
+
+def bookkeeping(plain: bool) -> AbstractContextManager[Any]:
+    """Around mirrored's own work inside a replica (gradients summed, buffers checked, the
+    update, ``.grad`` cleared) on tensors that are ``plain`` (``all_plain``): no torch-function
+    mode runs, where each would cost a Python call per op and per attribute read (``t.grad``,
+    ``t._version``) and the replicas share one GIL. So the replicas' random streams do not
+    route what runs there: a torch optimizer whose ``step()`` draws random numbers (noise added
+    to the update) draws from torch's global generator, not the replica's. Not plain (a tensor
+    subclass keeps its ``__torch_function__``): nothing changes."""
     return disable_torch_function() if plain else nullcontext()
 
 

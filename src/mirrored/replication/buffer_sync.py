@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from mirrored._torch_internals import BatchNormBase, bookkeeping
+from mirrored._torch_internals import BatchNormBase, all_plain, bookkeeping
 from mirrored.core.values import ReduceOp, VariableAggregation
 
 if TYPE_CHECKING:
@@ -178,7 +178,7 @@ class BufferSync:
         """Collective, at the end of a run on every replica: make the buffers any replica
         changed the same everywhere (a ``ValueError`` naming a buffer that may not differ)."""
         current = self._current(replica.local_replica_id)
-        with bookkeeping(current):
+        with bookkeeping(all_plain(current)):
             self._sync(replica, current)
 
     def _sync(self, replica: ReplicaContext, current: list[torch.Tensor | None]) -> None:

@@ -43,6 +43,7 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from mirrored._torch_internals import (
+    all_plain,
     bookkeeping,
     queue_backward_callback,
     will_engine_execute_node,
@@ -109,6 +110,7 @@ class OverlappedGradientReducer:
         self._window = window
         self._local = local
         self._params = [list(p) for p in params]
+        self._plain = all_plain(p for ps in self._params for p in ps)  # bookkeeping(), once
         first = self._params[0]
         self.plan = plan_gradient_buckets(
             [p.shape for p in first], [p.dtype for p in first], bytes_per_pack, first_pack_bytes
@@ -302,7 +304,7 @@ class OverlappedGradientReducer:
     def finish_pass(self, r: int) -> None:
         """Replica ``r``'s backward is over (or ``optimizer.step()`` came without one): pack
         what it did not produce, wait for every bucket, and make the sums its gradients."""
-        with bookkeeping(self._params[r]):
+        with bookkeeping(self._plain):
             self._finish_pass(r)
 
     def _finish_pass(self, r: int) -> None:
@@ -406,7 +408,7 @@ def _on_grad_of(
     alive = reducer()
     if alive is None:
         return None
-    with bookkeeping((grad, alive._params[r][i])):
+    with bookkeeping(alive._plain and all_plain((grad,))):
         return alive._on_grad(r, i, grad)
 
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from mirrored._torch_internals import bookkeeping
+from mirrored._torch_internals import all_plain, bookkeeping
 from mirrored.core.context import ReplicaContext
 from mirrored.core.param_groups import snapshot, take_group_hyperparameters
 from mirrored.core.replica_meeting import SyncMismatchError
@@ -75,6 +75,7 @@ class MirroredOptimizer(ReplicaOptimizers):
         strategy.at_close(self._torch_routes.release)  # torch is torch again once it closes
         self._params = [list(p) for p in params]
         self._running_stats = [list(b) for b in running_stats]
+        self._plain_tensors = all_plain(self._params[0])
         self._buffer_sync = buffer_sync  # told which running statistics the update averaged
         # Accumulation, local SGD, ZeRO, the reducer and owner updates, planned once.
         self._plan = plan_updates(features, optimizers, params)
@@ -215,7 +216,7 @@ class MirroredOptimizer(ReplicaOptimizers):
 
     def _without_torch_function(self) -> AbstractContextManager[Any]:
         """The update is mirrored's bookkeeping: no torch-function mode for plain tensors."""
-        return bookkeeping(self._params[0])
+        return bookkeeping(self._plain_tensors)
 
     def _step(self, replica: ReplicaContext) -> Any:
         window, replica_id = self._plan.window, replica.local_replica_id
@@ -362,12 +363,13 @@ class MirroredOptimizer(ReplicaOptimizers):
         replica_id = replica.local_replica_id
         stats = self._running_stats[replica_id]
         everything = [*tensors, *stats]
-        averaged = replica.strategy.all_reduce_tensors(replica, ReduceOp.MEAN, everything)
-        with torch.no_grad():
-            for tensor, value in zip(everything, averaged, strict=True):
-                tensor.copy_(value)
-        if stats and self._buffer_sync is not None:
-            self._buffer_sync.agree(replica_id, stats)
+        with self._without_torch_function():  # also after a closure, which needs the modes
+            averaged = replica.strategy.all_reduce_tensors(replica, ReduceOp.MEAN, everything)
+            with torch.no_grad():
+                for tensor, value in zip(everything, averaged, strict=True):
+                    tensor.copy_(value)
+            if stats and self._buffer_sync is not None:
+                self._buffer_sync.agree(replica_id, stats)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The current replica's gradients inside ``strategy.run``, every replica's outside;
