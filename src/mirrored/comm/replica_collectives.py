@@ -52,10 +52,14 @@ def all_reduce_in_buckets(
     packed.pack(tensors)
     for buffer in packed.buffers:
         all_reduce_buffer(replica.exchange, buffer)
-    reduced = packed.unpacked()
-    if reduce_op is ReduceOp.MEAN:  # out of place: the mean of integer counts is a float
-        return [t / num_replicas_in_sync for t in reduced]
-    return reduced
+    if reduce_op is ReduceOp.SUM:
+        return packed.unpacked()
+    if all(b.is_floating_point() or b.is_complex() for b in packed.buffers):
+        for buffer in packed.buffers:  # one division a bucket (BatchNorm's 104 statistics)
+            buffer.div_(num_replicas_in_sync)
+        return packed.unpacked()
+    # Out of place: the mean of integer counts is a float.
+    return [t / num_replicas_in_sync for t in packed.unpacked()]
 
 
 def all_gather_local(
