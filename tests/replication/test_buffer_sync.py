@@ -341,3 +341,34 @@ def test_statistics_moved_without_a_version_after_the_update_are_averaged(norm):
 
         strategy.run(step, (batch,))
         assert_replicas_identical(model)
+
+
+class _OwnStatistics(nn.Module):
+    """Running statistics of its own, moved by F.batch_norm: no version counter moves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("running_mean", torch.zeros(4))
+        self.register_buffer("running_var", torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.batch_norm(x, self.running_mean, self.running_var, training=True)
+
+
+@pytest.mark.parametrize("module", ["own statistics", "BatchNorm subclass"])
+def test_statistics_moved_without_a_version_in_a_forward_are_averaged(module):
+    """No optimizer averages them: the end of the run finds the change by the bytes."""
+    torch.manual_seed(0)
+    make = _OwnStatistics if module == "own statistics" else lambda: _FunctionalNorm(4)
+    x = torch.randn(8, 4)
+    halves = [make() for _ in range(2)]
+    for half, part in zip(halves, x.split(4), strict=True):
+        half(part)
+    with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
+        model = strategy.mirror(make())
+        (batch,) = strategy.experimental_distribute_dataset([x])
+        strategy.run(model, (batch,))
+        assert_replicas_identical(model)
+        expected = (halves[0].running_mean + halves[1].running_mean) / 2
+        assert not torch.equal(halves[0].running_mean, expected)
+        torch.testing.assert_close(model.running_mean, expected)

@@ -30,6 +30,7 @@ from torch import nn
 
 from mirrored._torch_internals import BatchNormBase, all_plain, bookkeeping
 from mirrored.core.values import ReduceOp, VariableAggregation
+from mirrored.replication.buffer_bytes import BytesSnapshot
 
 if TYPE_CHECKING:
     from mirrored.core.context import ReplicaContext
@@ -105,9 +106,12 @@ class BufferSync:
             for r in replicas
         ]
         self._seen: list[list[tuple[int, int]]] = [[] for _ in replicas]
+        self._snapshots: list[BytesSnapshot] = [BytesSnapshot([]) for _ in replicas]
         # Per replica: the buffers made the same on every replica during this run (averaged by
         # the optimizer), and their bytes then.
-        self._agreed: list[tuple[list[int], torch.Tensor | None]] = [([], None) for _ in replicas]
+        self._agreed: list[tuple[list[int], BytesSnapshot]] = [
+            ([], BytesSnapshot([])) for _ in replicas
+        ]
         self._bases: list[dict[int, torch.Tensor]] = [{} for _ in replicas]
         self._warned: set[str] = set()  # integer buffers changed without an aggregation
         for replica_id in range(len(replicas)):
@@ -133,9 +137,11 @@ class BufferSync:
 
     def _record(self, replica_id: int) -> None:
         """Remember each buffer as it is now (and the value a ``SUM`` adds changes to)."""
-        self._seen[replica_id] = [_state(t) for t in self._current(replica_id)]
+        current = self._current(replica_id)
+        self._seen[replica_id] = [_state(t) for t in current]
+        self._snapshots[replica_id] = BytesSnapshot(current)
         self._bases[replica_id] = self._sum_bases(replica_id)
-        self._agreed[replica_id] = ([], None)
+        self._agreed[replica_id] = ([], BytesSnapshot([]))
 
     def agree(self, replica_id: int, tensors: Sequence[torch.Tensor]) -> None:
         """Inside a run, on every replica: ``tensors`` (buffers of replica ``replica_id``) were
@@ -150,7 +156,7 @@ class BufferSync:
             for index, tensor in enumerate(current)
             if id(tensor) in chosen and self._chosen(index) is not VariableAggregation.SUM
         ]
-        self._agreed[replica_id] = (indices, _bytes_of([current[i] for i in indices]))
+        self._agreed[replica_id] = (indices, BytesSnapshot([current[i] for i in indices]))
 
     def _sum_bases(self, replica_id: int) -> dict[int, torch.Tensor]:
         return {
@@ -206,15 +212,19 @@ class BufferSync:
     def _changed(self, replica_id: int, current: list[torch.Tensor | None]) -> list[bool]:
         """Per buffer, whether this replica changed it since the last run, and it may differ."""
         seen = self._seen[replica_id]
-        changed = [_state(t) != then for t, then in zip(current, seen, strict=True)]
         # Some kernels write in place without counting a version (BatchNorm's running
-        # statistics): a module that changed one buffer counts as having changed all of them.
+        # statistics): their bytes tell, and a module that changed one buffer counts as having
+        # changed all of them.
+        by_bytes = self._snapshots[replica_id].changed(current)
+        changed = [
+            _state(t) != then or moved
+            for t, then, moved in zip(current, seen, by_bytes, strict=True)
+        ]
         slots = self._slots[replica_id]
         owners = {id(slot[0]) for slot, flag in zip(slots, changed, strict=True) if flag}
         changed = [id(owner) in owners for owner, _, _ in slots]
         indices, agreed = self._agreed[replica_id]
-        now = _bytes_of([current[i] for i in indices])
-        if agreed is not None and now is not None and torch.equal(now, agreed):
+        if indices and not any(agreed.changed([current[i] for i in indices])):
             for index in indices:  # as the update left them on every replica
                 changed[index] = False
         return changed
@@ -296,14 +306,6 @@ def _every_copy(
 def _state(tensor: torch.Tensor | None) -> tuple[int, int]:
     """What tells a buffer's change: which tensor it is and its in-place version."""
     return (0, 0) if tensor is None else (id(tensor), tensor._version)
-
-
-def _bytes_of(tensors: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
-    """The tensors' bytes end to end (None for none, or where one is None)."""
-    if not tensors or any(t is None for t in tensors):
-        return None
-    flat = [t.detach().reshape(-1).contiguous().view(torch.uint8) for t in tensors if t is not None]
-    return torch.cat(flat)
 
 
 def _tensor(tensor: torch.Tensor | None, name: str) -> torch.Tensor:
