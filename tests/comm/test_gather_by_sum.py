@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from mirrored.comm.gather_by_sum import gather_by_sum
+from mirrored.comm.gather_by_sum import PendingGather, gather_by_sum
 from mirrored.core.replica_meeting import SyncMismatchError
 
 
@@ -20,7 +20,7 @@ class _Done:
         return None
 
 
-def _gather(tensors: Sequence[torch.Tensor]) -> list[tuple[list[torch.Tensor], object]]:
+def _gather(tensors: Sequence[torch.Tensor]) -> list[tuple[list[torch.Tensor], PendingGather]]:
     """Each worker's call, then the sum every worker's block receives."""
     blocks: list[torch.Tensor] = []
 
@@ -58,7 +58,8 @@ def test_every_worker_gets_every_part_bit_for_bit(world_size: int) -> None:
     for make in kinds:
         tensors = [make(rank) for rank in range(world_size)]
         for parts, pending in _gather(tensors):
-            pending.wait()  # type: ignore[attr-defined]
+            assert pending.succeeded()
+            pending.wait()
             assert len(parts) == world_size
             for part, expected in zip(parts, tensors, strict=True):
                 assert part.dtype == expected.dtype and part.shape == expected.shape
@@ -69,8 +70,9 @@ def test_workers_that_gather_different_tensors_fail_alike_naming_them() -> None:
     # 5 and 6 float32s fill slots of one size: only the headers tell them apart.
     calls = _gather([torch.zeros(5), torch.zeros(6)])
     for _, pending in calls:
+        assert not pending.succeeded()  # its parts cannot be read
         with pytest.raises(SyncMismatchError, match=r"worker 0: 5 x float32, worker 1: 6 x fl"):
-            pending.wait()  # type: ignore[attr-defined]
+            pending.wait()
     for _, pending in _gather([torch.zeros(4), torch.zeros(2, dtype=torch.float64)]):
         with pytest.raises(SyncMismatchError, match=r"4 x float32, worker 1: 2 x float64"):
-            pending.wait()  # type: ignore[attr-defined]
+            pending.wait()

@@ -21,7 +21,7 @@ __all__ = ["Pending", "PendingGather", "gather_by_sum"]
 
 _ALIGNMENT = 16  # bytes: any dtype views its slot
 _HEADER = 16  # bytes: element count and dtype, as two int64
-_DTYPES = sorted((v for v in vars(torch).values() if isinstance(v, torch.dtype)), key=str)
+_DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
 _CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
 
 
@@ -43,12 +43,17 @@ class PendingGather:
         self._label = label
 
     def succeeded(self) -> bool:
-        return self._summing.succeeded()
+        """Whether the parts can be read: the sum is done and every worker's header agrees."""
+        return self._summing.succeeded() and not self._mismatched()
+
+    def _mismatched(self) -> bool:
+        headers = self._headers.tolist()
+        return any(header != headers[0] for header in headers)
 
     def wait(self) -> None:
         self._summing.wait()
-        headers = self._headers.tolist()
-        if any(header != headers[0] for header in headers):
+        if self._mismatched():
+            headers = self._headers.tolist()
             tensors = ", ".join(
                 f"worker {rank}: {count} x {str(_DTYPES[code]).removeprefix('torch.')}"
                 for rank, (count, code) in enumerate(headers)

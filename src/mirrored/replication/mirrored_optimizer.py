@@ -75,7 +75,7 @@ class MirroredOptimizer(ReplicaOptimizers):
         strategy.at_close(self._torch_routes.release)  # torch is torch again once it closes
         self._params = [list(p) for p in params]
         self._running_stats = [list(b) for b in running_stats]
-        self._plain_tensors = all_plain(self._params[0])
+        self._plain_tensors = all_plain([*self._params[0], *self._running_stats[0]])
         self._buffer_sync = buffer_sync  # told which running statistics the update averaged
         # Accumulation, local SGD, ZeRO, the reducer and owner updates, planned once.
         self._plan = plan_updates(features, optimizers, params)
