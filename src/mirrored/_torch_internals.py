@@ -55,6 +55,7 @@ __all__ = [
     "required",
     "safe_softmax",
     "share_step_hooks",
+    "tensor_bytes",
     "unrecognised_checkpoint",
     "unrecognised_clipping",
     "untested_torch",
@@ -181,6 +182,14 @@ def bookkeeping(plain: bool) -> AbstractContextManager[Any]:
     to the update) draws from torch's global generator, not the replica's. Not plain (a tensor
     subclass keeps its ``__torch_function__``): nothing changes."""
     return disable_torch_function() if plain else nullcontext()
+
+
+def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s bytes as uint8, its elements in order: a view of its memory where it is
+    contiguous and holds no lazy conjugation or negation (``Tensor.view(dtype)`` refuses those),
+    a copy otherwise, of the values it shows."""
+    flat = tensor.detach().resolve_conj().resolve_neg().reshape(-1).contiguous()
+    return flat.view(torch.uint8)
 
 
 def caller_frame(depth: int) -> FrameType:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mirrored._torch_internals import tensor_bytes
 from mirrored.comm.bucketing import plan_gather
 from mirrored.comm.cross_device_ops import CrossDeviceOps
 from mirrored.comm.replica_collectives import all_gather_local, all_reduce_in_buckets
@@ -243,7 +244,7 @@ class Communicator:
             here = [i for i, m in enumerate(moved) if m.device == device]
             packed = torch.zeros(total, dtype=torch.uint8, device=device)
             for i in here:
-                flat = moved[i].reshape(-1).view(torch.uint8)
+                flat = tensor_bytes(moved[i])
                 packed[starts[i] : starts[i] + len(flat)] = flat
             parts = workers.all_gather(packed, "gather")
             for i in here:  # rows * bytes per row: 0 where a worker has no rows (bytes -1)

@@ -15,6 +15,7 @@ from typing import Protocol
 
 import torch
 
+from mirrored._torch_internals import tensor_bytes
 from mirrored.core.replica_meeting import SyncMismatchError
 
 __all__ = ["Pending", "PendingGather", "gather_by_sum"]
@@ -73,8 +74,7 @@ def gather_by_sum(
 ) -> tuple[list[torch.Tensor], PendingGather]:
     """Start gathering every worker's CPU ``tensor`` through ``start_sum`` (an in-place
     all-reduce of an int64 tensor); the parts, in rank order, may be read after ``wait()``."""
-    data = tensor.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
-    data = data.view(torch.uint8)
+    data = tensor_bytes(tensor)
     slot = _HEADER + -(-len(data) // _ALIGNMENT) * _ALIGNMENT
     block = torch.zeros(world_size, slot, dtype=torch.uint8)
     block[rank, :_HEADER] = torch.tensor([tensor.numel(), _CODES[tensor.dtype]]).view(torch.uint8)

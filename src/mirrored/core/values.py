@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from mirrored._torch_internals import tensor_bytes
+
 __all__ = [
     "PerReplica",
     "ReduceOp",
@@ -129,7 +131,7 @@ def fingerprint(structure: Any) -> int:
     checksum = 0
     for leaf in flatten(structure):
         if isinstance(leaf, torch.Tensor):
-            data = leaf.detach().cpu().contiguous().flatten().view(torch.uint8)
+            data = tensor_bytes(leaf.cpu())
             checksum = zlib.crc32(f"{tuple(leaf.shape)} {leaf.dtype}".encode(), checksum)
             checksum = zlib.crc32(data.numpy().tobytes(), checksum)
     return checksum

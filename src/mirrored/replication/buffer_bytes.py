@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
+from mirrored._torch_internals import tensor_bytes
+
 __all__ = ["BytesSnapshot"]
 
 # What a tensor's bytes are read through: where its data lives, and how it is laid out.
@@ -25,7 +27,7 @@ class BytesSnapshot:
         self._layouts = [_layout(t) for t in tensors]
         # Views of the tensors' own memory (a copy where one is not contiguous): while the
         # layouts hold, a view reads the bytes as they are then.
-        self._views = [None if t is None else _as_bytes(t) for t in tensors]
+        self._views = [None if t is None else tensor_bytes(t) for t in tensors]
         self._live = [t is not None and _viewable(t) for t in tensors]
         present = [v for v in self._views if v is not None]
         self._bytes = torch.cat(present) if present else None
@@ -41,7 +43,7 @@ class BytesSnapshot:
         if self._bytes is None:
             return [False] * len(tensors)
         now = [
-            view if live and view is not None else _as_bytes(tensor)
+            view if live and view is not None else tensor_bytes(tensor)
             for tensor, view, live in zip(tensors, self._views, self._live, strict=True)
             if tensor is not None
         ]
@@ -61,7 +63,7 @@ class BytesSnapshot:
             same = layout == then and (
                 tensor is None
                 or self._bytes is None
-                or torch.equal(_as_bytes(tensor), self._bytes[start : start + length])
+                or torch.equal(tensor_bytes(tensor), self._bytes[start : start + length])
             )
             changed.append(not same)
             start += length
@@ -75,11 +77,5 @@ def _layout(tensor: torch.Tensor | None) -> _Layout:
 
 
 def _viewable(tensor: torch.Tensor) -> bool:
-    """Whether ``_as_bytes(tensor)`` is a view of the tensor's memory, not a copy."""
+    """Whether ``tensor_bytes(tensor)`` is a view of the tensor's memory, not a copy."""
     return tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg()
-
-
-def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor``'s bytes, a view of its memory where it is contiguous (a copy otherwise)."""
-    flat = tensor.detach().resolve_conj().resolve_neg().reshape(-1).contiguous()
-    return flat.view(torch.uint8)
