@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import json
 import os
 import signal
 import sys
@@ -442,13 +443,29 @@ def missing_tasks(out: Path) -> None:
         torch.save({"error": str(error)}, out / "chief-first.pt")
 
 
-def chief_fails(out: Path, ending: str) -> None:
-    """The chief's program raises, inside ``with strategy`` or at its end without close()."""
+def chief_fails(out: Path, ending: str, slow_task: str = "") -> None:
+    """The chief's program raises, inside ``with strategy`` or at its end without close().
+    ``slow_task`` (a TF_CONFIG task such as "ps1") is still inside ``init_rpc`` when the chief's
+    constructor could return: it tells the chief it joined, then its other peers 2 s late."""
+    if slow_task and _tf_config_task() == slow_task:
+        call = rpc.api.rpc_sync
+
+        def greet_late(to: str, func: Any, *args: Any, **kwargs: Any) -> Any:
+            if func is rpc.backend_registry._update_group_membership and to != "chief":
+                time.sleep(2)
+            return call(to, func, *args, **kwargs)
+
+        rpc.api.rpc_sync = greet_late
     strategy = ParameterServerStrategy(timeout_seconds=60)
     if ending == "with":
         with strategy:
             raise RuntimeError("the chief's program failed")
     raise RuntimeError("the chief's program failed")
+
+
+def _tf_config_task() -> str:
+    task = json.loads(os.environ["TF_CONFIG"])["task"]
+    return f"{task['type']}{task['index']}"
 
 
 def digits_examples(context: mirrored.InputContext) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -280,11 +280,17 @@ def test_a_lost_coordinator_ends_every_other_task_with_an_error(tmp_path: Path) 
         assert "is gone" in worker.output
 
 
-@pytest.mark.parametrize("ending", ["with", "without close"])
+@pytest.mark.parametrize(
+    ("ending", "slow_task"), [("with", ""), ("without close", ""), ("with", "ps1")]
+)
 def test_a_chief_that_fails_ends_every_other_task_with_an_error_naming_its_own(
-    tmp_path: Path, ending: str
+    tmp_path: Path, ending: str, slow_task: str
 ) -> None:
-    workers = run_workers("chief_fails", tmp_path, 5, cluster="ps:2:2", args=[ending], timeout=90)
+    # A task still inside init_rpc (greeting its peers) when the chief fails at once must not
+    # lose the chief's error to a broken pipe: the chief's constructor waits for it.
+    workers = run_workers(
+        "chief_fails", tmp_path, 5, cluster="ps:2:2", args=[ending, slow_task], timeout=90
+    )
     for worker in workers:
         assert worker.returncode == 1, worker.output
         assert "RuntimeError: the chief's program failed" in worker.output, worker.output

@@ -112,8 +112,13 @@ def start_rpc(
         else:
             hosted, (host, port) = host_store(host, port, None, timeout)
         member = Member(task, task, cluster.rank(task))
+        deadline = time.monotonic() + timeout_seconds
         _init_rpc(member, host, port, timeout_seconds)
-        missing = wait_for_members(cluster.names, timeout_seconds)
+        missing = wait_for_members(cluster.names, deadline - time.monotonic())
+        if not missing:
+            # A member the chief knows may still be greeting the others inside init_rpc: a
+            # chief that failed then would end it with a broken pipe, not the chief's error.
+            missing = _wait_until_joined(hosted, cluster.names[1:], deadline)
         if missing:
             stop_rpc()
             raise TimeoutError(
@@ -164,6 +169,15 @@ def wait_for_members(
         missing = [name for name in names if not _is_member(name)]
         if not missing or time.monotonic() > deadline or stopping.wait(0.05):
             return missing
+
+
+def _wait_until_joined(store: dist.Store, tasks: tuple[str, ...], deadline: float) -> list[str]:
+    """Those of ``tasks`` whose ``init_rpc`` has still not returned at ``deadline``."""
+    while True:
+        missing = [task for task in tasks if not store.check([f"{_PREFIX}/joined/{task}"])]
+        if not missing or time.monotonic() > deadline:
+            return missing
+        time.sleep(0.05)
 
 
 def _is_member(name: str) -> bool:
