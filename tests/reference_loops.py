@@ -134,14 +134,17 @@ def train_mirrored(
     batches: Sequence[Batch],
     set_to_none: bool = True,
     options: mirrored.InputOptions | None = None,
+    step: Callable[..., torch.Tensor] | None = None,
 ) -> tuple[mirrored.MirroredModule, mirrored.MirroredOptimizer, list[float]]:
     """The issue's program, verbatim in spirit (``set_to_none``: how it zeroes gradients;
-    ``options``: how the input is read)."""
+    ``options``: how the input is read; ``step``: ``replica_step`` or a wrapper of it, such as
+    ``mirrored.function(replica_step)``)."""
     mirrored_model, mirrored_optimizer = strategy.mirror(model, optimizer)
     losses = []
     for batch in strategy.experimental_distribute_dataset(batches, options):
         args = (batch, mirrored_model, mirrored_optimizer, set_to_none)
-        losses.append(strategy.reduce("sum", strategy.run(replica_step, args), axis=None).item())
+        result = strategy.run(step or replica_step, args)
+        losses.append(strategy.reduce("sum", result, axis=None).item())
     return mirrored_model, mirrored_optimizer, losses
 
 

@@ -36,8 +36,10 @@ from tests.reference_loops import (
     compiled_deep_net,
     make_batches,
     make_mlp,
+    replica_step,
     train_mirrored,
 )
+from tests.tracing.traces import replays
 
 
 def _strategy(
@@ -98,13 +100,14 @@ def custom_loop(
     keep_zeroed_gradients: str = "",
     local_sgd_period: str = "",
     compression: str = "",
+    traced: str = "",
 ) -> None:
     """The reference custom loop on the MLP, ragged last batch included; with ``user_group``
     the program sets up torch.distributed itself first (``_form_group``) and keeps its group
     afterwards; with
     ``accumulation`` k, one update every k steps; with ``keep_zeroed_gradients``,
     ``zero_grad(set_to_none=False)``; with ``local_sgd_period``, local SGD; ``compression``
-    as ``_compression`` reads it."""
+    as ``_compression`` reads it; with ``traced``, the step under ``mirrored.function``."""
     if user_group:
         _form_group(user_group)
     sizes: dict[str, list[int]] = {"gloo": [], "shared memory": []}
@@ -141,21 +144,22 @@ def custom_loop(
     ) as strategy:
         # Each worker initialises differently: mirror gives every worker the chief's values.
         model = make_mlp(seed=1 + strategy.worker_group.rank)
+        step = mirrored.function(replica_step) if traced else replica_step
         mirrored_model, _, losses = train_mirrored(
             strategy,
             model,
             OPTIMIZERS[optimizer](model),
             make_batches(),
             set_to_none=not keep_zeroed_gradients,
+            step=step,
         )
         replicas = [r.state_dict() for r in mirrored_model.replicas]
         resolver = strategy.cluster_resolver
         place = (type(resolver).__name__, resolver.local_rank, resolver.local_world_size)
-        _save(
-            strategy,
-            out,
-            {"losses": losses, "replicas": replicas, "all_reduces": sizes, "resolver": place},
-        )
+        result = {"losses": losses, "replicas": replicas, "all_reduces": sizes, "resolver": place}
+        if traced:
+            result["replayed"] = replays(step)
+        _save(strategy, out, result)
     if user_group:
         assert torch.distributed.is_initialized(), "the strategy closed the program's group"
         torch.distributed.destroy_process_group()

@@ -60,15 +60,25 @@ def _assert_close(expected: dict[str, torch.Tensor], actual: dict[str, torch.Ten
 
 @float64
 @pytest.mark.parametrize(
-    ("optimizer", "logical_devices", "cluster", "user_group", "bytes_per_pack", "implementation"),
+    (
+        "optimizer",
+        "logical_devices",
+        "cluster",
+        "user_group",
+        "bytes_per_pack",
+        "implementation",
+        "traced",
+    ),
     [
-        ("sgd", 2, "torchrun", "", 0, "AUTO"),
-        ("adam", 2, "torchrun", "", 0, "AUTO"),
-        ("adam", 2, "torchrun", "", 0, "RING"),
-        ("adam", 2, "torchrun", "", 256, "AUTO"),  # the MLP's gradients in 6 buckets
-        ("adam", 1, "tf_config", "", 0, "AUTO"),
-        ("sgd", 1, "torchrun", "env://", 0, "AUTO"),  # the program's own process group
-        ("sgd", 1, "torchrun", "tcp://", 0, "AUTO"),  # Ray's with init_method="tcp": no MASTER_*
+        ("sgd", 2, "torchrun", "", 0, "AUTO", ""),
+        ("adam", 2, "torchrun", "", 0, "AUTO", ""),
+        ("adam", 2, "torchrun", "", 0, "RING", ""),
+        ("adam", 2, "torchrun", "", 256, "AUTO", ""),  # the MLP's gradients in 6 buckets
+        ("adam", 1, "tf_config", "", 0, "AUTO", ""),
+        ("sgd", 1, "torchrun", "env://", 0, "AUTO", ""),  # the program's own process group
+        ("sgd", 1, "torchrun", "tcp://", 0, "AUTO", ""),  # Ray's, init_method="tcp": no MASTER_*
+        # A traced step hands its gradients over: each bucket still crosses as backward's does.
+        ("adam", 2, "torchrun", "", 256, "AUTO", "traced"),
     ],
 )
 def test_custom_loop_equals_one_device(
@@ -79,11 +89,12 @@ def test_custom_loop_equals_one_device(
     user_group: str,
     bytes_per_pack: int,
     implementation: str,
+    traced: str,
 ) -> None:
     workers = run_workers(
         "custom_loop",
         tmp_path,
-        args=[optimizer, user_group, str(bytes_per_pack)],
+        args=[optimizer, user_group, str(bytes_per_pack), "1", "", "", "", traced],
         logical_devices=logical_devices,
         cluster=cluster,
         env=_implementation(implementation),
@@ -105,6 +116,7 @@ def test_custom_loop_equals_one_device(
     else:
         assert gradient_sizes == [1029 + 6] * steps
     for rank, result in enumerate(results):
+        assert result.get("replayed", False) == bool(traced)
         if user_group:  # the group's workers, both on this machine
             assert result["resolver"] == ("ProcessGroupClusterResolver", rank, 2)
         assert len(result["replicas"]) == logical_devices

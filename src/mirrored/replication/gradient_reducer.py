@@ -14,6 +14,12 @@ When a replica's backward ends (autograd's final callback) the sums are waited f
 parameters' gradients: after ``loss.backward()`` every replica holds the gradient of the whole
 global batch, so clipping or unscaling before ``optimizer.step()`` sees the reduced values.
 
+A traced step's replay (:mod:`mirrored.tracing`) has every gradient at once, computed by its
+graph: ``hand_over`` packs them in one copy and ends the pass, what the hooks and the pass's end
+would do, without autograd's engine and a hook per parameter. Where a hook decides more than
+where a gradient goes (a gradient already there, an accumulation window, local SGD), it declines
+and the replay runs the autograd pass.
+
 Exactness beyond one backward per step, without DDP's restrictions:
 
 - each bucket carries, per parameter, the number of replicas that produced a gradient for it,
@@ -65,6 +71,7 @@ __all__ = [
     "FIRST_PACK_BYTES",
     "OverlappedGradientReducer",
     "check_dense",
+    "hand_over",
     "sparse_gradient_error",
 ]
 
@@ -154,6 +161,11 @@ class OverlappedGradientReducer:
         self._handles: list[Any] = []
         self._hooked = [[False] * num_params for _ in range(num_local)]
         self._accumulators: list[list[Any]] = [[None] * num_params for _ in range(num_local)]
+        self._places = {
+            id(param): (r, i)
+            for r, replica in enumerate(self._params)
+            for i, param in enumerate(replica)
+        }
         for r, replica in enumerate(self._params):
             for i, param in enumerate(replica):
                 owner = _OWNERS.get(param)
@@ -300,6 +312,39 @@ class OverlappedGradientReducer:
         counts: list[float] = buffer[bucket.numel :].tolist()
         return counts
 
+    # -- a traced step's pass ---------------------------------------------------------------------
+    def _take(self, leaves: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> bool:
+        """A backward pass whose gradients are ``grads`` for ``leaves`` (all of them parameters
+        of one replica, none holding a gradient), packed and reduced in one call: what the
+        pass's hooks and its end would do, without autograd. False, having done nothing, where
+        only that pass would do what eager backward does (module docstring)."""
+        places = [self._places.get(id(leaf)) for leaf in leaves]
+        replicas = {place[0] for place in places if place is not None}
+        if None in places or len(replicas) != 1:
+            return False
+        (r,) = replicas
+        indices = [place[1] for place in places if place is not None]
+        if (
+            self._window is not None
+            or self._local is not None
+            or self._in_pass[r]
+            or self._passes[r]
+            or self._strategy.active_replica(r) is None
+            or not all(self._hooked[r][i] for i in indices)
+            or any(leaf.grad is not None for leaf in leaves)
+        ):
+            return False
+        for grad in grads:
+            if grad.is_sparse:
+                raise sparse_gradient_error(grad.shape)
+        with bookkeeping(self._plain and all_plain(grads)):
+            torch._foreach_copy_([self._views[r][i] for i in indices], list(grads))
+            self._in_pass[r] = True
+            for i in indices:
+                self._send(r, i, fresh=True)
+            self._finish_pass(r)
+        return True
+
     # -- the end of a pass ------------------------------------------------------------------------
     def finish_pass(self, r: int) -> None:
         """Replica ``r``'s backward is over (or ``optimizer.step()`` came without one): pack
@@ -396,6 +441,17 @@ def check_dense(params: Sequence[nn.Parameter]) -> None:
     for param in params:
         if param.grad is not None and param.grad.is_sparse:
             raise sparse_gradient_error(param.shape)
+
+
+def hand_over(leaves: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> bool:
+    """Give a traced step's gradients for ``leaves`` to the reducer that watches them, as the
+    backward pass into them would: summed over every replica and left in ``.grad``, with no
+    autograd pass and no hook per parameter. False, having done nothing, where that pass is
+    needed: a leaf no reducer watches or watched by another, a gradient already there, an
+    accumulation window or local SGD (their hooks decide what is sent)."""
+    owner = _OWNERS.get(leaves[0]) if leaves else None
+    reducer = owner() if owner is not None else None
+    return reducer is not None and reducer._take(leaves, grads)
 
 
 def _on_grad_of(

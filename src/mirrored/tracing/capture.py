@@ -4,7 +4,8 @@ The step runs once under ``make_fx`` on fake tensors: no kernel runs and no stat
 tensor ops become the graph, with the parameters and buffers it reads held by reference (a
 replay reads their values then). What acts on real state becomes a host call
 (:mod:`mirrored.core.trace_recording`): ``loss.backward()`` is recorded as the gradients'
-computation in the graph followed by a host call that hands them to autograd's accumulation
+computation in the graph followed by a host call that hands them to the gradient reducer in one
+call, or, where only an autograd pass does what eager backward does, to autograd's accumulation
 (so ``.grad``, gradient hooks and the gradient reducer see what eager backward gives them);
 mirrored optimizers' ``step()`` and ``zero_grad()`` and gradient clipping record themselves.
 
@@ -44,6 +45,7 @@ from mirrored.core.context import current_replica_context
 from mirrored.core.trace_recording import HostCall, ResultSpec, TraceUnsupported, set_recording
 from mirrored.random.activation_checkpoint import entered_streams
 from mirrored.replication.global_batch_loss import check_loss_scaling
+from mirrored.replication.gradient_reducer import hand_over
 from mirrored.replication.outside_edits import has_program_hooks, program_hooks_suspended
 from mirrored.tracing.host_op import HOST_CALL, fake_results, forget_fake_results
 
@@ -197,11 +199,12 @@ class _Recorder(TorchFunctionMode):
 
 
 def _accumulate(leaves: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
-    """Autograd's accumulation of a replay's gradients into ``leaves``, with their hooks (the
-    gradient reducer's). Eagerly a backward pass runs under the replica's random streams, for
-    the random ops in it; with no hook of the program's on the leaves nothing in this one
-    draws, and it runs without their routing (a Python call for each op in the reducer's
-    hooks): the streams are only told of it, as of any backward pass."""
+    """A replay's gradients for ``leaves`` where eager backward would leave them: handed to the
+    gradient reducer in one call (``hand_over``), else through autograd's accumulation with the
+    leaves' hooks. Eagerly a backward pass runs under the replica's random streams, for the
+    random ops in it; with no hook of the program's on the leaves nothing in this one draws,
+    and it runs without their routing (a Python call for each op in the reducer's hooks): the
+    streams are only told of it, as of any backward pass."""
     streams = entered_streams()
     if not streams or any(has_program_hooks(leaf) for leaf in leaves):
         torch.autograd.backward(leaves, grads)
@@ -210,7 +213,8 @@ def _accumulate(leaves: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
     if observe is not None:
         observe(tuple(leaves))
     with disable_torch_function():
-        torch.autograd.backward(leaves, grads)
+        if not hand_over(leaves, grads):
+            torch.autograd.backward(leaves, grads)
 
 
 def _leaves_of(roots: Sequence[torch.Tensor]) -> list[torch.Tensor]:
