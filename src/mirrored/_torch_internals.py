@@ -43,6 +43,7 @@ __all__ = [
     "code_of",
     "disable_torch_function",
     "foreach_mul_",
+    "hook_ids",
     "is_functorch_wrapped",
     "mark_step_called",
     "outside_functorch",
@@ -292,6 +293,14 @@ def backward_hooks_held(tensor: torch.Tensor) -> dict[int, Callable[..., Any]] |
     removing an entry for a while, and putting it back, suspends that hook."""
     held: dict[int, Callable[..., Any]] | None = tensor._backward_hooks
     return held
+
+
+def hook_ids(tensor: torch.Tensor) -> tuple[tuple[int, ...], ...]:
+    """The ids of the hooks on ``tensor`` (``parameter_hooks``' keys, in autograd's order), by
+    kind: a cheap check whether any was added, removed or reordered since an earlier call."""
+    return tuple(
+        tuple(getattr(tensor, attribute, None) or ()) for attribute in _HOOK_ATTRIBUTES.values()
+    )
 
 
 def parameter_hooks(tensor: torch.Tensor) -> dict[str, dict[int, Callable[..., Any]]]:

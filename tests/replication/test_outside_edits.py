@@ -195,3 +195,31 @@ def test_a_post_accumulate_grad_hook_outside_run_is_refused_with_the_fix():
 
     with pytest.raises(ValueError, match=r"register_post_accumulate_grad_hook.*register_hook"):
         _mirrored(make_mlp(), edit, make_batches())
+
+
+class _KeepsLastMean(nn.Module):
+    """Reassigns its buffer in every forward (not in place), as a cache of the last input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(4)
+        self.linear = nn.Linear(12, 5)
+        self.register_buffer("last_mean", torch.zeros(12))
+
+    def forward(self, x):
+        self.last_mean = x.mean(0).detach()
+        return self.linear(x + self.last_mean)
+
+
+def test_an_edit_outside_run_reaches_a_buffer_the_last_run_reassigned():
+    """The replicas' buffers are new tensors after each run: an edit between runs reaches the
+    new ones (a scale under ``torch.no_grad()``, read by the next step's forward... after it
+    reassigns it, so checked directly, before that forward)."""
+    with mirrored.MirroredStrategy(DEVICES) as strategy:
+        model = strategy.mirror(_KeepsLastMean())
+        for number, (x, _) in enumerate(strategy.experimental_distribute_dataset(make_batches())):
+            strategy.run(model, args=(x,))
+            with torch.no_grad():
+                model.last_mean.fill_(float(number))
+            strategy.run(lambda: None)  # carries the edit; the forward would overwrite it
+            assert all(r.last_mean.eq(float(number)).all() for r in model.replicas)

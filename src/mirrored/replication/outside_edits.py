@@ -7,7 +7,7 @@ registered with ``p.register_hook`` all change replica 0 alone. Before each run,
 on replica 0 since the last one is copied to the other replicas: a tensor whose version counter
 or storage moved gets replica 0's values, a flag replica 0's flag, a hook registered on replica
 0's parameter the same hook on the others' (and removed with it). Only what changed is touched,
-so an untouched model costs one pass over its tensors' counters per run.
+so an untouched model costs one pass over its tensors' counters and hooks' ids per run.
 
 An edit through ``p.data`` in place (``p.data.clamp_()``) does not move the version counter, by
 torch's design: it reaches replica 0 only. ``check_replicas`` (:class:`ReplicaCheck`) finds it,
@@ -25,7 +25,12 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from mirrored._torch_internals import backward_hooks_held, parameter_hooks, run_hooks_last
+from mirrored._torch_internals import (
+    backward_hooks_held,
+    hook_ids,
+    parameter_hooks,
+    run_hooks_last,
+)
 
 __all__ = [
     "CarriesOutsideEdits",
@@ -43,6 +48,7 @@ HookT = TypeVar("HookT", bound=Callable[..., Any])
 
 # (version counter, storage address, requires_grad) of a tensor.
 _Mark = tuple[int, int, bool]
+_ABSENT = object()
 # (tensor's index, hook kind, replica 0's hook id) -> the same hook's handles on the others.
 _HookKey = tuple[int, str, int]
 
@@ -90,6 +96,36 @@ def _mark(tensor: torch.Tensor) -> _Mark:
     return tensor._version, tensor.data_ptr(), tensor.requires_grad
 
 
+class _Layout:
+    """Where a module's submodules, parameters and buffers are held: each module's three dicts
+    with their entries, so that whether any was added, removed or replaced since (what
+    ``named_tensors`` would see differently) costs one identity check per entry, not a walk
+    that names them all."""
+
+    def __init__(self, root: nn.Module) -> None:
+        modules = [module for _, module in root.named_modules(remove_duplicate=False)]
+        self._holders = [(module, _holders(module)) for module in modules]
+        self._sizes = [(holder, len(holder)) for _, holders in self._holders for holder in holders]
+        self._entries = [
+            (holder, key, value) for holder, _ in self._sizes for key, value in holder.items()
+        ]
+
+    def unchanged(self) -> bool:
+        return (
+            all(
+                now is then
+                for module, holders in self._holders
+                for now, then in zip(_holders(module), holders, strict=True)
+            )
+            and all(len(holder) == size for holder, size in self._sizes)
+            and all(holder.get(key, _ABSENT) is value for holder, key, value in self._entries)
+        )
+
+
+def _holders(module: nn.Module) -> tuple[dict[str, Any], ...]:
+    return module._modules, module._parameters, module._buffers
+
+
 class OutsideEdits:
     """Carries replica 0's changes made between runs to the other replicas."""
 
@@ -97,26 +133,56 @@ class OutsideEdits:
         self._replicas = tuple(replicas)
         self._hooks: dict[_HookKey, list[Any]] = {}
         self._tensors: list[list[torch.Tensor]] = [[] for _ in self._replicas]
+        self._layout: _Layout | None = None
         self._marks: list[_Mark] = []
         self._hook_ids: list[frozenset[_HookKey]] = []
+        # Per tensor, its hooks' ids when _hook_ids was last read from them (hook_ids).
+        self._seen_hooks: list[tuple[tuple[int, ...], ...]] = []
         self._siblings: dict[int, list[int]] = {}
         self.mark()
 
     def mark(self) -> None:
-        """After a run (or a resync): the state every later change is measured from. The
-        replicas' tensors are looked up again (a run may reassign a buffer)."""
+        """After a run (or a resync): the state every later change is measured from."""
+        self._refresh_tensors()
+        first = self._tensors[0]
+        self._marks = [_mark(t) for t in first]
+        if len(self._seen_hooks) != len(first):  # the first mark, or new tensors
+            self._seen_hooks = [hook_ids(t) for t in first]
+            hook_keys = [self._hook_keys(i, t) for i, t in enumerate(first)]
+            for index, (before, now) in enumerate(zip(self._hook_ids, hook_keys, strict=False)):
+                if before != now:  # hooks the replica function registered on every replica
+                    self._run_internal_hooks_last(index)
+            self._hook_ids = hook_keys
+            return
+        for index, tensor in enumerate(first):
+            if self._hooks_moved(index, tensor):
+                now = self._hook_keys(index, tensor)
+                if now != self._hook_ids[index]:  # registered by the replica function
+                    self._hook_ids[index] = now
+                    self._run_internal_hooks_last(index)
+
+    def _refresh_tensors(self) -> None:
+        """The replicas' tensors looked up again where replica 0's moved (a run may reassign
+        a buffer)."""
+        if self._layout is not None and self._layout.unchanged():
+            return
         named = named_tensors(self._replicas[0])
         first = [t for _, t in named]
         cached = self._tensors[0]
         if len(first) != len(cached) or any(a is not b for a, b in zip(first, cached, strict=True)):
             self._tensors = [first] + [tensors_of(r) for r in self._replicas[1:]]
             self._siblings = _buffer_siblings(named, self._replicas[0])
-        self._marks = [_mark(t) for t in first]
-        hook_ids = [self._hook_keys(i, t) for i, t in enumerate(first)]
-        for index, (before, now) in enumerate(zip(self._hook_ids, hook_ids, strict=False)):
-            if before != now:  # hooks the replica function registered on every replica
-                self._run_internal_hooks_last(index)
-        self._hook_ids = hook_ids
+            self._seen_hooks = []
+        self._layout = _Layout(self._replicas[0])
+
+    def _hooks_moved(self, index: int, tensor: torch.Tensor) -> bool:
+        """Whether a hook on replica 0's tensor ``index`` was added, removed or reordered since
+        the last look (then its ids are the ones seen)."""
+        seen = hook_ids(tensor)
+        if seen == self._seen_hooks[index]:
+            return False
+        self._seen_hooks[index] = seen
+        return True
 
     def _run_internal_hooks_last(self, index: int) -> None:
         """The gradient reducer's hook on tensor ``index`` sees what the program's made."""
@@ -134,7 +200,7 @@ class OutsideEdits:
                 # Some kernels write in place without counting a version (BatchNorm's running
                 # statistics): a module's changed buffer stands for all of its buffers.
                 changed.update((sibling, False) for sibling in self._siblings.get(index, ()))
-            if isinstance(tensor, nn.Parameter):
+            if isinstance(tensor, nn.Parameter) and self._hooks_moved(index, tensor):
                 keys = self._hook_keys(index, tensor)
                 if keys != self._hook_ids[index]:
                     self._carry_hooks(index, tensor, keys)
