@@ -36,6 +36,7 @@ from typing import Any, Protocol, TypeVar, overload, runtime_checkable
 import torch
 from torch import nn
 
+from mirrored._torch_internals import all_plain, bookkeeping
 from mirrored._torch_tracing import key_path_name, tree_flatten, tree_flatten_with_path
 from mirrored.core.context import current_replica_context
 from mirrored.core.trace_recording import TraceUnsupported
@@ -96,7 +97,11 @@ class _Signature:
         leaves, spec = tree_flatten((args, kwargs))
         self.leaves = leaves
         self._given = (args, kwargs)
-        keys = [_leaf_key(leaf) for leaf in leaves]
+        # Each read of a tensor's attribute would run the replica's torch-function mode.
+        plain = all_plain(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
+        with bookkeeping(plain):
+            keys = [_leaf_key(leaf) for leaf in leaves]
+            module_keys = tuple(_module_key(module) for module in modules)
         # An argument that is neither a tensor nor a value (a batch in a container torch's
         # pytrees do not open, a mutable object): a trace could neither key nor read it.
         self.refused = next(
@@ -106,7 +111,7 @@ class _Signature:
             spec,
             tuple(keys),
             _modes(),
-            tuple(_module_key(module) for module in modules),
+            module_keys,
         )
         self.key = hash(self.parts), self.parts
 
