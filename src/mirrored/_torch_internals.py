@@ -17,6 +17,7 @@ other release gives one ``UserWarning`` (:func:`warn_if_untested_torch`).
 
 from __future__ import annotations
 
+import gc
 import inspect
 import re
 import sys
@@ -31,6 +32,7 @@ from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase
 
 __all__ = [
     "BatchNormBase",
+    "NO_HOOK_IDS",
     "PRIVATE_SAMPLERS",
     "TESTED_TORCH",
     "amp_unscale_and_check_",
@@ -46,6 +48,7 @@ __all__ = [
     "hook_ids",
     "is_functorch_wrapped",
     "mark_step_called",
+    "node_hooked",
     "outside_functorch",
     "parameter_names",
     "parameter_hooks",
@@ -295,11 +298,27 @@ def backward_hooks_held(tensor: torch.Tensor) -> dict[int, Callable[..., Any]] |
     return held
 
 
+# hook_ids of a tensor without hooks.
+NO_HOOK_IDS: tuple[tuple[int, ...], ...] = tuple(() for _ in _HOOK_ATTRIBUTES)
+
+
 def hook_ids(tensor: torch.Tensor) -> tuple[tuple[int, ...], ...]:
     """The ids of the hooks on ``tensor`` (``parameter_hooks``' keys, in autograd's order), by
     kind: a cheap check whether any was added, removed or reordered since an earlier call."""
     return tuple(
         tuple(getattr(tensor, attribute, None) or ()) for attribute in _HOOK_ATTRIBUTES.values()
+    )
+
+
+def node_hooked(node: Any, tensor: torch.Tensor) -> bool:
+    """Whether a hook was registered on the autograd node ``node`` itself (``register_hook``,
+    ``register_prehook``: FSDP and Megatron hook a parameter's gradient accumulator so). torch
+    lists no node's hooks; its Python object holds each kind's dict of them, which
+    ``gc.get_referents`` shows, beside the dict of ``tensor``'s own ``register_hook`` hooks
+    (torch 2.13)."""
+    own = getattr(tensor, "_backward_hooks", None)
+    return any(
+        isinstance(held, dict) and held and held is not own for held in gc.get_referents(node)
     )
 
 

@@ -197,6 +197,48 @@ def test_a_post_accumulate_grad_hook_outside_run_is_refused_with_the_fix():
         _mirrored(make_mlp(), edit, make_batches())
 
 
+def test_a_refused_hook_is_refused_again_at_the_next_run():
+    with mirrored.MirroredStrategy(DEVICES) as strategy:
+        model = strategy.mirror(make_mlp())
+        strategy.run(lambda: None)
+        model[4].bias.register_post_accumulate_grad_hook(lambda p: None)
+        for _ in range(2):
+            with pytest.raises(ValueError, match=r"register_post_accumulate_grad_hook"):
+                strategy.run(lambda: None)
+
+
+def test_hooks_registered_before_mirroring_reach_every_replica():
+    """A deep copy of a module does not copy its tensors' hooks: the first run carries them."""
+
+    def hooked() -> nn.Module:
+        model = make_mlp()
+        model[2].weight.register_hook(lambda grad: grad * 0.25)
+        return model
+
+    batches = make_batches()
+    expected = _plain(hooked(), lambda model, step: None, batches)
+    actual = _mirrored(hooked(), lambda model, step: None, batches)
+    assert_same_parameters(expected, actual)
+    assert_replicas_identical(actual)
+
+
+def test_a_hook_the_replica_function_registers_on_every_replica_is_not_carried_again():
+    with mirrored.MirroredStrategy(DEVICES) as strategy:
+        model = strategy.mirror(make_mlp())
+        registered: set[int] = set()
+
+        def step():
+            weight = model[2].weight  # this replica's
+            if id(weight) not in registered:
+                registered.add(id(weight))
+                weight.register_hook(lambda grad: grad * 0.5)
+
+        for _ in range(3):
+            strategy.run(step)
+        counts = [len(replica[2].weight._backward_hooks) for replica in model.replicas]
+        assert counts == [counts[0]] * len(DEVICES)
+
+
 class _KeepsLastMean(nn.Module):
     """Reassigns its buffer in every forward (not in place), as a cache of the last input."""
 

@@ -77,19 +77,28 @@ def never_zeroed(model: Any, optimizer: Any) -> Step:
 
 
 def train(
-    traced: bool, make_step: Callable[[Any, Any], Step], hook: bool = False
+    traced: bool,
+    make_step: Callable[[Any, Any], Step],
+    hook: bool = False,
+    model: nn.Module | None = None,
+    data: list[tuple[torch.Tensor, ...]] | None = None,
+    prepare: Callable[[Any], object] | None = None,
+    **strategy_options: Any,
 ) -> tuple[list[nn.Module], Any]:
-    """Each replica's modules after four steps on 2 replicas, and the step."""
-    model = make_model()
+    """Each replica's modules after a step on each of ``data`` (by default four batches) on 2
+    replicas, and the step; ``prepare`` sees the mirrored model before the first."""
+    model = model or make_model()
     if hook:
         model[0].weight.register_hook(lambda grad: grad * 2)
-    with mirrored.MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
+    with mirrored.MirroredStrategy(["cpu:0", "cpu:1"], **strategy_options) as strategy:
         mirrored_model, optimizer = strategy.mirror(
             model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         )
+        if prepare is not None:
+            prepare(mirrored_model)
         step = make_step(mirrored_model, optimizer)
         step = mirrored.function(step) if traced else step
-        for x, y in strategy.experimental_distribute_dataset(batches()):
+        for x, y in strategy.experimental_distribute_dataset(data or batches()):
             strategy.run(step, args=(x, y))
         assert not traced or replays(step)
     return list(mirrored_model.replicas), step
@@ -174,3 +183,85 @@ def test_one_backward_into_two_optimizers_parameters_runs_the_autograd_pass(
     assert hook_calls[0] > 0
     eager, _ = run(False)
     assert_same_replicas(eager, traced)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"local_sgd": mirrored.LocalSGD(2)}, {"gradient_accumulation_steps": 2}],
+    ids=["local SGD", "accumulation"],
+)
+def test_updates_whose_hooks_decide_what_is_sent_run_the_autograd_pass(
+    hook_calls: list[int], options: dict[str, Any]
+) -> None:
+    """Local SGD's local updates and an accumulation window's micro-steps send nothing: each
+    replica's .grad stays its own (checked after the last step, a micro-step of a window)."""
+    data = batches(count=3)
+    traced, _ = train(True, zero_first, data=data, **options)
+    assert hook_calls[0] > 0
+    assert_same_replicas(train(False, zero_first, data=data, **options)[0], traced)
+    first, second = (replica[0].weight.grad for replica in traced)
+    assert first is not None and second is not None and not torch.equal(first, second)
+
+
+def test_a_hook_on_a_parameter_s_gradient_accumulator_runs_at_each_replay() -> None:
+    """A hook registered on the autograd node that accumulates a parameter's gradient (as
+    FSDP and Megatron do) runs in every backward pass: the replay runs that pass."""
+    calls: list[int] = []
+
+    def hooked_step(model: Any, optimizer: Any) -> Step:
+        step = zero_first(model, optimizer)
+        hooked: set[int] = set()
+
+        def with_hook(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            weight = model[0].weight
+            if id(weight) not in hooked:  # once per replica, while the step traces
+                hooked.add(id(weight))
+                accumulator = weight.view_as(weight).grad_fn.next_functions[0][0]
+                accumulator.register_hook(lambda *_: calls.append(1))
+            return step(x, y)
+
+        return with_hook
+
+    traced, _ = train(True, hooked_step)
+    replayed = len(calls)
+    calls.clear()
+    eager, _ = train(False, hooked_step)
+    assert replayed == len(calls) == 2 * 4
+    assert_same_replicas(eager, traced)
+
+
+def test_parameters_frozen_when_mirrored_and_trained_later_are_summed_as_eager(
+    hook_calls: list[int],
+) -> None:
+    """Frozen when mirrored, the reducer does not watch it yet; thawed before the first run, its
+    first gradient is reduced at the pass's end, which watches it from then on."""
+
+    def frozen() -> nn.Module:
+        model = make_model()
+        model[0].weight.requires_grad_(False)
+        return model
+
+    def thaw(model: Any) -> None:
+        model[0].weight.requires_grad_(True)
+
+    traced, _ = train(True, zero_first, model=frozen(), prepare=thaw)
+    assert hook_calls[0] > 0
+    assert_same_replicas(train(False, zero_first, model=frozen(), prepare=thaw)[0], traced)
+
+
+def test_backward_into_the_same_input_twice_accumulates_once(hook_calls: list[int]) -> None:
+    def into_weight_twice(model: Any, optimizer: Any) -> Step:
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            optimizer.zero_grad()
+            loss = loss_of(model, x, y)
+            weight = model[0].weight
+            loss.backward(inputs=[weight, weight, model[2].weight])
+            optimizer.step()
+            return loss
+
+        return step
+
+    # With a hook of the program's, so that the replay runs the autograd pass.
+    traced, _ = train(True, into_weight_twice, hook=True)
+    assert hook_calls[0] > 0
+    assert_same_replicas(train(False, into_weight_twice, hook=True)[0], traced)

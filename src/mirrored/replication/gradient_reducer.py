@@ -16,9 +16,9 @@ global batch, so clipping or unscaling before ``optimizer.step()`` sees the redu
 
 A traced step's replay (:mod:`mirrored.tracing`) has every gradient at once, computed by its
 graph: ``hand_over`` packs them in one copy and ends the pass, what the hooks and the pass's end
-would do, without autograd's engine and a hook per parameter. Where a hook decides more than
-where a gradient goes (a gradient already there, an accumulation window, local SGD), it declines
-and the replay runs the autograd pass.
+would do, without autograd's engine and a hook per parameter. Where the pass would do more than
+that (a gradient already there, an accumulation window, local SGD, a parameter not watched yet, a
+hook on a parameter's gradient accumulator), it declines and the replay runs the autograd pass.
 
 Exactness beyond one backward per step, without DDP's restrictions:
 
@@ -51,6 +51,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from mirrored._torch_internals import (
     all_plain,
     bookkeeping,
+    node_hooked,
     queue_backward_callback,
     will_engine_execute_node,
 )
@@ -332,6 +333,10 @@ class OverlappedGradientReducer:
             or self._strategy.active_replica(r) is None
             or not all(self._hooked[r][i] for i in indices)
             or any(leaf.grad is not None for leaf in leaves)
+            or any(
+                node_hooked(self._accumulators[r][i], leaf)
+                for i, leaf in zip(indices, leaves, strict=True)
+            )
         ):
             return False
         for grad in grads:
@@ -447,8 +452,9 @@ def hand_over(leaves: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> 
     """Give a traced step's gradients for ``leaves`` to the reducer that watches them, as the
     backward pass into them would: summed over every replica and left in ``.grad``, with no
     autograd pass and no hook per parameter. False, having done nothing, where that pass is
-    needed: a leaf no reducer watches or watched by another, a gradient already there, an
-    accumulation window or local SGD (their hooks decide what is sent)."""
+    needed: a leaf no reducer watches (yet: frozen when mirrored) or watched by another, a
+    gradient already there, a hook on a leaf's gradient accumulator, an accumulation window or
+    local SGD (their hooks decide what is sent)."""
     owner = _OWNERS.get(leaves[0]) if leaves else None
     reducer = owner() if owner is not None else None
     return reducer is not None and reducer._take(leaves, grads)

@@ -6,7 +6,8 @@ by ``p.requires_grad = False``, an edit under ``torch.no_grad()`` (``p.mul_()``,
 registered with ``p.register_hook`` all change replica 0 alone. Before each run, what changed
 on replica 0 since the last one is copied to the other replicas: a tensor whose version counter
 or storage moved gets replica 0's values, a flag replica 0's flag, a hook registered on replica
-0's parameter the same hook on the others' (and removed with it). Only what changed is touched,
+0's parameter the same hook on the others' (and removed with it; one registered before
+mirroring, which a deep copy does not copy, at the first run). Only what changed is touched,
 so an untouched model costs one pass over its tensors' counters and hooks' ids per run.
 
 An edit through ``p.data`` in place (``p.data.clamp_()``) does not move the version counter, by
@@ -26,6 +27,7 @@ import torch
 from torch import nn
 
 from mirrored._torch_internals import (
+    NO_HOOK_IDS,
     backward_hooks_held,
     hook_ids,
     parameter_hooks,
@@ -103,27 +105,19 @@ class _Layout:
     that names them all."""
 
     def __init__(self, root: nn.Module) -> None:
-        modules = [module for _, module in root.named_modules(remove_duplicate=False)]
-        self._holders = [(module, _holders(module)) for module in modules]
-        self._sizes = [(holder, len(holder)) for _, holders in self._holders for holder in holders]
+        self._sizes = [
+            (holder, len(holder))
+            for _, module in root.named_modules(remove_duplicate=False)
+            for holder in (module._modules, module._parameters, module._buffers)
+        ]
         self._entries = [
             (holder, key, value) for holder, _ in self._sizes for key, value in holder.items()
         ]
 
     def unchanged(self) -> bool:
-        return (
-            all(
-                now is then
-                for module, holders in self._holders
-                for now, then in zip(_holders(module), holders, strict=True)
-            )
-            and all(len(holder) == size for holder, size in self._sizes)
-            and all(holder.get(key, _ABSENT) is value for holder, key, value in self._entries)
+        return all(len(holder) == size for holder, size in self._sizes) and all(
+            holder.get(key, _ABSENT) is value for holder, key, value in self._entries
         )
-
-
-def _holders(module: nn.Module) -> tuple[dict[str, Any], ...]:
-    return module._modules, module._parameters, module._buffers
 
 
 class OutsideEdits:
@@ -139,14 +133,20 @@ class OutsideEdits:
         # Per tensor, its hooks' ids when _hook_ids was last read from them (hook_ids).
         self._seen_hooks: list[tuple[tuple[int, ...], ...]] = []
         self._siblings: dict[int, list[int]] = {}
-        self.mark()
+        self._refresh_tensors()
+        first = self._tensors[0]
+        self._marks = [_mark(t) for t in first]
+        # Taken as hookless: a deep copy of a module does not copy its tensors' hooks, so the
+        # first run carries those the program registered before mirroring.
+        self._seen_hooks = [NO_HOOK_IDS] * len(first)
+        self._hook_ids = [frozenset()] * len(first)
 
     def mark(self) -> None:
         """After a run (or a resync): the state every later change is measured from."""
         self._refresh_tensors()
         first = self._tensors[0]
         self._marks = [_mark(t) for t in first]
-        if len(self._seen_hooks) != len(first):  # the first mark, or new tensors
+        if len(self._seen_hooks) != len(first):  # a run reassigned a tensor
             self._seen_hooks = [hook_ids(t) for t in first]
             hook_keys = [self._hook_keys(i, t) for i, t in enumerate(first)]
             for index, (before, now) in enumerate(zip(self._hook_ids, hook_keys, strict=False)):
@@ -155,11 +155,13 @@ class OutsideEdits:
             self._hook_ids = hook_keys
             return
         for index, tensor in enumerate(first):
-            if self._hooks_moved(index, tensor):
-                now = self._hook_keys(index, tensor)
-                if now != self._hook_ids[index]:  # registered by the replica function
-                    self._hook_ids[index] = now
-                    self._run_internal_hooks_last(index)
+            moved = self._hooks_if_moved(index, tensor)
+            if moved is None:
+                continue
+            if moved != self._hook_ids[index]:  # registered by the replica function
+                self._hook_ids[index] = moved
+                self._run_internal_hooks_last(index)
+            self._seen_hooks[index] = hook_ids(tensor)
 
     def _refresh_tensors(self) -> None:
         """The replicas' tensors looked up again where replica 0's moved (a run may reassign
@@ -175,14 +177,12 @@ class OutsideEdits:
             self._seen_hooks = []
         self._layout = _Layout(self._replicas[0])
 
-    def _hooks_moved(self, index: int, tensor: torch.Tensor) -> bool:
-        """Whether a hook on replica 0's tensor ``index`` was added, removed or reordered since
-        the last look (then its ids are the ones seen)."""
-        seen = hook_ids(tensor)
-        if seen == self._seen_hooks[index]:
-            return False
-        self._seen_hooks[index] = seen
-        return True
+    def _hooks_if_moved(self, index: int, tensor: torch.Tensor) -> frozenset[_HookKey] | None:
+        """The program's hooks on replica 0's tensor ``index`` where a hook was added, removed or
+        reordered since they were last taken in (``_seen_hooks``), else None."""
+        if hook_ids(tensor) == self._seen_hooks[index]:
+            return None
+        return self._hook_keys(index, tensor)
 
     def _run_internal_hooks_last(self, index: int) -> None:
         """The gradient reducer's hook on tensor ``index`` sees what the program's made."""
@@ -200,10 +200,11 @@ class OutsideEdits:
                 # Some kernels write in place without counting a version (BatchNorm's running
                 # statistics): a module's changed buffer stands for all of its buffers.
                 changed.update((sibling, False) for sibling in self._siblings.get(index, ()))
-            if isinstance(tensor, nn.Parameter) and self._hooks_moved(index, tensor):
-                keys = self._hook_keys(index, tensor)
+            keys = self._hooks_if_moved(index, tensor) if isinstance(tensor, nn.Parameter) else None
+            if keys is not None:
                 if keys != self._hook_ids[index]:
-                    self._carry_hooks(index, tensor, keys)
+                    self._carry_hooks(index, tensor, keys)  # may refuse one: seen again next run
+                self._seen_hooks[index] = hook_ids(tensor)
         for index, changed_flag in changed.items():
             self._carry_tensor(index, first[index], changed_flag)
             self._marks[index] = _mark(first[index])

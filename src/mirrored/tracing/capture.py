@@ -162,8 +162,9 @@ class _Recorder(TorchFunctionMode):
             check_loss_scaling(roots, replica)  # as eager backward does with several replicas
         if inputs is None:
             leaves = _leaves_of(roots)
-        else:
-            leaves = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
+        else:  # a tensor given twice accumulates once, as in eager backward
+            given = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
+            leaves = list({id(leaf): leaf for leaf in given}.values())
         # The program's hooks on the leaves run at the replay's accumulation, not in the graph.
         with program_hooks_suspended([leaf for leaf in leaves if not is_fake(leaf)]):
             grads = torch.autograd.grad(
