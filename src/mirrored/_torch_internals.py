@@ -31,6 +31,7 @@ import torch
 from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase
 
 __all__ = [
+    "HOOK_KINDS",
     "BatchNormBase",
     "NO_HOOK_IDS",
     "PRIVATE_SAMPLERS",
@@ -298,7 +299,9 @@ def backward_hooks_held(tensor: torch.Tensor) -> dict[int, Callable[..., Any]] |
     return held
 
 
-# hook_ids of a tensor without hooks.
+# The kinds of hooks (``parameter_hooks``' keys), in ``hook_ids``' order; its value for a tensor
+# without hooks.
+HOOK_KINDS = tuple(_HOOK_ATTRIBUTES)
 NO_HOOK_IDS: tuple[tuple[int, ...], ...] = tuple(() for _ in _HOOK_ATTRIBUTES)
 
 
@@ -311,15 +314,18 @@ def hook_ids(tensor: torch.Tensor) -> tuple[tuple[int, ...], ...]:
 
 
 def node_hooked(node: Any, tensor: torch.Tensor) -> bool:
-    """Whether a hook was registered on the autograd node ``node`` itself (``register_hook``,
-    ``register_prehook``: FSDP and Megatron hook a parameter's gradient accumulator so). torch
-    lists no node's hooks; its Python object holds each kind's dict of them, which
-    ``gc.get_referents`` shows, beside the dict of ``tensor``'s own ``register_hook`` hooks
-    (torch 2.13)."""
+    """Whether a hook may be registered on the autograd node ``node`` (``tensor``'s gradient
+    accumulator) itself (``register_hook``, ``register_prehook``: FSDP and Megatron hook a
+    parameter's accumulator so). torch lists no node's hooks; its Python object holds each
+    kind's dict of them, which ``gc.get_referents`` shows beside the dict of ``tensor``'s own
+    ``register_hook`` hooks, but only while that object is the node's sole owner (a graph
+    through the node hides them all, torch 2.13). So where ``tensor`` has hooks of its own
+    and their dict is not shown either, this cannot tell: True."""
     own = getattr(tensor, "_backward_hooks", None)
-    return any(
-        isinstance(held, dict) and held and held is not own for held in gc.get_referents(node)
-    )
+    held = [value for value in gc.get_referents(node) if isinstance(value, dict)]
+    if own and not any(value is own for value in held):
+        return True
+    return any(value and value is not own for value in held)
 
 
 def parameter_hooks(tensor: torch.Tensor) -> dict[str, dict[int, Callable[..., Any]]]:

@@ -265,3 +265,67 @@ def test_an_edit_outside_run_reaches_a_buffer_the_last_run_reassigned():
                 model.last_mean.fill_(float(number))
             strategy.run(lambda: None)  # carries the edit; the forward would overwrite it
             assert all(r.last_mean.eq(float(number)).all() for r in model.replicas)
+
+
+def test_a_hook_on_a_parameter_frozen_when_mirrored_reaches_every_replica_once_it_trains():
+    """torch registers no hook on a tensor that requires no gradient: a frozen parameter's
+    hooks wait, and reach the other replicas at the first run after it is thawed."""
+    calls: list[int] = []
+
+    def hooked_then_frozen() -> nn.Module:
+        model = make_mlp()
+        model[2].weight.register_hook(lambda grad: calls.append(1) or grad * 0.25)
+        model[2].weight.requires_grad_(False)
+        return model
+
+    def thaw_at_step_3(model, step):
+        if step == 3:
+            model[2].weight.requires_grad_(True)
+
+    batches = make_batches()
+    expected = _plain(hooked_then_frozen(), thaw_at_step_3, batches)
+    plain_calls, calls[:] = len(calls), []
+    actual = _mirrored(hooked_then_frozen(), thaw_at_step_3, batches)
+    assert_same_parameters(expected, actual)
+    assert_replicas_identical(actual)
+    assert len(calls) == len(DEVICES) * plain_calls
+
+
+def test_hooks_not_yet_carried_survive_an_apply():
+    """``apply()`` re-marks the replicas (its resync) between runs: hooks registered before
+    mirroring, or since the last run, are still carried by the next one."""
+
+    def hooked() -> nn.Module:
+        model = make_mlp()
+        model[2].weight.register_hook(lambda grad: grad * 0.25)
+        return model
+
+    def hook_then_apply(model, step):
+        if step == 2:
+            model[4].weight.register_hook(lambda grad: grad * 0.5)
+        if step in (0, 2):
+            model.apply(lambda module: None)
+
+    batches = make_batches()
+    expected = _plain(hooked(), hook_then_apply, batches)
+    actual = _mirrored(hooked(), hook_then_apply, batches)
+    assert_same_parameters(expected, actual)
+    assert_replicas_identical(actual)
+
+
+def test_a_refused_hook_carries_none_of_the_hooks_registered_with_it():
+    with mirrored.MirroredStrategy(DEVICES) as strategy:
+        model = strategy.mirror(make_mlp())
+        strategy.run(lambda: None)
+        before = [len(r[4].bias._backward_hooks or {}) for r in model.replicas]
+        for _ in range(8):  # in a set with the refused one: some come before it
+            model[4].bias.register_hook(lambda grad: grad)
+        model[4].bias.register_post_accumulate_grad_hook(lambda p: None)
+        for _ in range(3):
+            with pytest.raises(
+                ValueError,
+                match=r"register_post_accumulate_grad_hook on mirrored parameter '4.bias'",
+            ):
+                strategy.run(lambda: None)
+        after = [len(r[4].bias._backward_hooks or {}) for r in model.replicas]
+        assert after[1:] == before[1:]

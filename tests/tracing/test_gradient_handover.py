@@ -203,10 +203,20 @@ def test_updates_whose_hooks_decide_what_is_sent_run_the_autograd_pass(
     assert first is not None and second is not None and not torch.equal(first, second)
 
 
-def test_a_hook_on_a_parameter_s_gradient_accumulator_runs_at_each_replay() -> None:
+@pytest.mark.parametrize("graph_alive", [False, True], ids=["", "a graph alive"])
+def test_a_hook_on_a_parameter_s_gradient_accumulator_runs_at_each_replay(
+    graph_alive: bool,
+) -> None:
     """A hook registered on the autograd node that accumulates a parameter's gradient (as
-    FSDP and Megatron do) runs in every backward pass: the replay runs that pass."""
+    FSDP and Megatron do) runs in every backward pass: the replay runs that pass. Also while
+    a graph through the node is alive (a forward outside ``run``, kept), which hides the
+    node's hooks from the garbage collector's view."""
     calls: list[int] = []
+    kept: list[torch.Tensor] = []
+
+    def forward_kept(model: Any) -> None:
+        if graph_alive:
+            kept.append(model(torch.randn(2, 6)).sum())
 
     def hooked_step(model: Any, optimizer: Any) -> Step:
         step = zero_first(model, optimizer)
@@ -222,10 +232,10 @@ def test_a_hook_on_a_parameter_s_gradient_accumulator_runs_at_each_replay() -> N
 
         return with_hook
 
-    traced, _ = train(True, hooked_step)
+    traced, _ = train(True, hooked_step, prepare=forward_kept)
     replayed = len(calls)
     calls.clear()
-    eager, _ = train(False, hooked_step)
+    eager, _ = train(False, hooked_step, prepare=forward_kept)
     assert replayed == len(calls) == 2 * 4
     assert_same_replicas(eager, traced)
 

@@ -266,7 +266,10 @@ class MirroredModule(SyncsBuffers, CarriesOutsideEdits):
                     )
         for reducer in self._reducers:
             reducer.reset()
-        self.mark_outside_edits()
+        if self._outside_edits is None:
+            self.mark_outside_edits()
+        else:  # hooks still to be carried stay so
+            self._outside_edits.mark(after_run=False)
 
     def train(self, mode: bool = True) -> MirroredModule:
         """Set training mode on every replica."""

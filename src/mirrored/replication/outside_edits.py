@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from mirrored._torch_internals import (
+    HOOK_KINDS,
     NO_HOOK_IDS,
     backward_hooks_held,
     hook_ids,
@@ -127,11 +128,15 @@ class OutsideEdits:
         self._replicas = tuple(replicas)
         self._hooks: dict[_HookKey, list[Any]] = {}
         self._tensors: list[list[torch.Tensor]] = [[] for _ in self._replicas]
+        self._names: list[str] = []
         self._layout: _Layout | None = None
         self._marks: list[_Mark] = []
+        # Per tensor: the program's hooks on replica 0 that every replica has; the ids of
+        # replica 0's hooks (hook_ids) when those were last reconciled with them, and when the
+        # last run started.
         self._hook_ids: list[frozenset[_HookKey]] = []
-        # Per tensor, its hooks' ids when _hook_ids was last read from them (hook_ids).
         self._seen_hooks: list[tuple[tuple[int, ...], ...]] = []
+        self._at_start: list[tuple[tuple[int, ...], ...]] = []
         self._siblings: dict[int, list[int]] = {}
         self._refresh_tensors()
         first = self._tensors[0]
@@ -141,31 +146,36 @@ class OutsideEdits:
         self._seen_hooks = [NO_HOOK_IDS] * len(first)
         self._hook_ids = [frozenset()] * len(first)
 
-    def mark(self) -> None:
-        """After a run (or a resync): the state every later change is measured from."""
+    def mark(self, after_run: bool = True) -> None:
+        """The state every later change is measured from: after a run, or (``after_run``
+        False) once the replicas were made copies of replica 0 again (a resync). After a run
+        also the hooks the replica function registered, on every replica: not to be carried."""
         self._refresh_tensors()
         first = self._tensors[0]
         self._marks = [_mark(t) for t in first]
-        if len(self._seen_hooks) != len(first):  # a run reassigned a tensor
-            self._seen_hooks = [hook_ids(t) for t in first]
-            hook_keys = [self._hook_keys(i, t) for i, t in enumerate(first)]
-            for index, (before, now) in enumerate(zip(self._hook_ids, hook_keys, strict=False)):
-                if before != now:  # hooks the replica function registered on every replica
-                    self._run_internal_hooks_last(index)
-            self._hook_ids = hook_keys
+        if not after_run:
             return
         for index, tensor in enumerate(first):
-            moved = self._hooks_if_moved(index, tensor)
-            if moved is None:
-                continue
-            if moved != self._hook_ids[index]:  # registered by the replica function
-                self._hook_ids[index] = moved
-                self._run_internal_hooks_last(index)
-            self._seen_hooks[index] = hook_ids(tensor)
+            if isinstance(tensor, nn.Parameter) and hook_ids(tensor) != self._at_start[index]:
+                self._take_hooks_of_the_run(index, tensor)
+
+    def _take_hooks_of_the_run(self, index: int, tensor: torch.Tensor) -> None:
+        """The program's hooks on replica 0's parameter ``index`` that were not there when the
+        run started: the replica function registered them on every replica."""
+        before = {
+            (kind, hook_id)
+            for kind, ids in zip(HOOK_KINDS, self._at_start[index], strict=True)
+            for hook_id in ids
+        }
+        added = {key for key in self._hook_keys(index, tensor) if key[1:] not in before}
+        if added:
+            self._hook_ids[index] = self._hook_ids[index] | added
+            self._run_internal_hooks_last(index)
+        self._at_start[index] = hook_ids(tensor)  # taken: a second mark finds nothing new
 
     def _refresh_tensors(self) -> None:
         """The replicas' tensors looked up again where replica 0's moved (a run may reassign
-        a buffer)."""
+        a buffer). New tensors' hooks are taken as every replica's."""
         if self._layout is not None and self._layout.unchanged():
             return
         named = named_tensors(self._replicas[0])
@@ -173,16 +183,12 @@ class OutsideEdits:
         cached = self._tensors[0]
         if len(first) != len(cached) or any(a is not b for a, b in zip(first, cached, strict=True)):
             self._tensors = [first] + [tensors_of(r) for r in self._replicas[1:]]
+            self._names = [name for name, _ in named]
             self._siblings = _buffer_siblings(named, self._replicas[0])
-            self._seen_hooks = []
+            self._hook_ids = [self._hook_keys(i, t) for i, t in enumerate(first)]
+            self._seen_hooks = [hook_ids(t) for t in first]
+            self._at_start = list(self._seen_hooks)
         self._layout = _Layout(self._replicas[0])
-
-    def _hooks_if_moved(self, index: int, tensor: torch.Tensor) -> frozenset[_HookKey] | None:
-        """The program's hooks on replica 0's tensor ``index`` where a hook was added, removed or
-        reordered since they were last taken in (``_seen_hooks``), else None."""
-        if hook_ids(tensor) == self._seen_hooks[index]:
-            return None
-        return self._hook_keys(index, tensor)
 
     def _run_internal_hooks_last(self, index: int) -> None:
         """The gradient reducer's hook on tensor ``index`` sees what the program's made."""
@@ -200,14 +206,21 @@ class OutsideEdits:
                 # Some kernels write in place without counting a version (BatchNorm's running
                 # statistics): a module's changed buffer stands for all of its buffers.
                 changed.update((sibling, False) for sibling in self._siblings.get(index, ()))
-            keys = self._hooks_if_moved(index, tensor) if isinstance(tensor, nn.Parameter) else None
-            if keys is not None:
-                if keys != self._hook_ids[index]:
-                    self._carry_hooks(index, tensor, keys)  # may refuse one: seen again next run
-                self._seen_hooks[index] = hook_ids(tensor)
         for index, changed_flag in changed.items():
             self._carry_tensor(index, first[index], changed_flag)
             self._marks[index] = _mark(first[index])
+        # After the flags: torch registers no hook on a tensor that requires no gradient, so a
+        # frozen parameter's hooks wait for the first run after it trains again.
+        for index, tensor in enumerate(first):
+            if not isinstance(tensor, nn.Parameter):
+                continue
+            ids = hook_ids(tensor)
+            if ids != self._seen_hooks[index] and tensor.requires_grad:
+                keys = self._hook_keys(index, tensor)
+                if keys != self._hook_ids[index]:
+                    self._carry_hooks(index, tensor, keys)
+                ids = self._seen_hooks[index] = hook_ids(tensor)
+            self._at_start[index] = ids
 
     def _carry_tensor(self, index: int, source: torch.Tensor, changed_flag: bool) -> None:
         with torch.no_grad():
@@ -242,15 +255,18 @@ class OutsideEdits:
         """Hooks registered on replica 0's parameter since ``mark`` onto the others'; the
         others' copies of hooks since removed from replica 0, removed."""
         hooks = parameter_hooks(tensor)
-        for key in keys - self._hook_ids[index]:
+        new = keys - self._hook_ids[index]
+        if any(kind == "post_accumulate_grad" for _, kind, _ in new) and self._reduced_in_backward(
+            index
+        ):  # refused before any hook is carried
+            raise ValueError(
+                "a hook registered with register_post_accumulate_grad_hook on mirrored parameter "
+                f"{self._names[index]!r} runs before the replicas' gradients are summed (at the "
+                "end of backward), and the sum replaces what it did; change the gradient inside "
+                "the replica function after loss.backward(), or with register_hook"
+            )
+        for key in new:
             _, kind, hook_id = key
-            if kind == "post_accumulate_grad" and self._reduced_in_backward(index):
-                raise ValueError(
-                    "a hook registered with register_post_accumulate_grad_hook on a mirrored "
-                    "parameter runs before the replicas' gradients are summed (at the end of "
-                    "backward), and the sum replaces what it did; change the gradient inside "
-                    "the replica function after loss.backward(), or with register_hook"
-                )
             register = _REGISTER[kind]
             hook = hooks[kind][hook_id]
             self._hooks[key] = [register(t[index], hook) for t in self._tensors[1:]]
