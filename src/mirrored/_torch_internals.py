@@ -31,8 +31,8 @@ import torch
 from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase
 
 __all__ = [
-    "HOOK_KINDS",
     "BatchNormBase",
+    "HOOK_KINDS",
     "NO_HOOK_IDS",
     "PRIVATE_SAMPLERS",
     "TESTED_TORCH",

@@ -322,7 +322,7 @@ class OverlappedGradientReducer:
         places = [self._places.get(id(leaf)) for leaf in leaves]
         replicas = {place[0] for place in places if place is not None}
         if None in places or len(replicas) != 1:
-            return False
+            return False  # a leaf another reducer watches, or none
         (r,) = replicas
         indices = [place[1] for place in places if place is not None]
         if (

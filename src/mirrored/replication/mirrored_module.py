@@ -266,9 +266,7 @@ class MirroredModule(SyncsBuffers, CarriesOutsideEdits):
                     )
         for reducer in self._reducers:
             reducer.reset()
-        if self._outside_edits is None:
-            self.mark_outside_edits()
-        else:  # hooks still to be carried stay so
+        if self._outside_edits is not None:  # hooks still to be carried stay so
             self._outside_edits.mark(after_run=False)
 
     def train(self, mode: bool = True) -> MirroredModule:
